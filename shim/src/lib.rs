@@ -1,0 +1,1 @@
+//! microvm host side.

@@ -1,0 +1,123 @@
+//! Virtio devices over the virtio-mmio transport (virtio 1.x, "modern" only).
+//!
+//! A device model implements [`VirtioDevice`] (what it is, its features and config space, what to
+//! do once the driver has set it up) and `event_manager::MutEventSubscriber` (its work on the
+//! device event-loop thread: queue notifications and backend I/O). The [`mmio::MmioTransport`]
+//! owns the register file the driver sees and hands the configured queues to the device when the
+//! driver sets `DRIVER_OK`.
+//!
+//! Threads: the transport runs on vCPU threads (register accesses), the device's event handling
+//! on the single device event-loop thread; the device is shared between them as `Arc<Mutex<_>>`.
+
+pub mod mmio;
+pub mod vsock;
+
+use std::io;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::GuestMemory;
+
+/// Interrupt status bit: a used ring was updated.
+pub const INT_VRING: u32 = 0x01;
+/// Interrupt status bit: the configuration space changed.
+pub const INT_CONFIG: u32 = 0x02;
+
+/// Feature bit every modern device offers: virtio 1.0 or later.
+pub const VIRTIO_F_VERSION_1: u32 = 32;
+
+/// Device ids (virtio spec 5).
+pub mod device_type {
+    /// virtio-net.
+    pub const NET: u32 = 1;
+    /// virtio-blk.
+    pub const BLOCK: u32 = 2;
+    /// virtio-vsock.
+    pub const VSOCK: u32 = 19;
+    /// virtio-fs.
+    pub const FS: u32 = 26;
+}
+
+/// The interrupt line of one virtio-mmio device: the status register the driver reads and
+/// acknowledges, plus the eventfd the VMM wires to the device's GSI as an irqfd.
+#[derive(Debug)]
+pub struct IrqTrigger {
+    status: AtomicU32,
+    evt: EventFd,
+}
+
+impl IrqTrigger {
+    /// A line that signals `evt`.
+    pub fn new(evt: EventFd) -> Self {
+        Self {
+            status: AtomicU32::new(0),
+            evt,
+        }
+    }
+
+    /// Sets `bits` (one of [`INT_VRING`], [`INT_CONFIG`]) in the status and raises the line.
+    pub fn trigger(&self, bits: u32) -> io::Result<()> {
+        self.status.fetch_or(bits, Ordering::SeqCst);
+        self.evt.write(1)
+    }
+
+    /// The interrupt status register.
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// The driver's write to InterruptACK: clears `bits`.
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    /// The eventfd behind the line (for irqfd registration).
+    pub fn eventfd(&self) -> &EventFd {
+        &self.evt
+    }
+}
+
+/// Why a device could not be activated.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    /// The driver configured a different number of queues than the device has.
+    #[error("the driver set up {got} queues, the device needs {want}")]
+    QueueCount { want: usize, got: usize },
+    /// A queue the driver configured is not valid in guest memory.
+    #[error("queue {index} is not valid: {reason}")]
+    InvalidQueue { index: usize, reason: String },
+    /// The device's backend failed to start.
+    #[error("device backend: {0}")]
+    Backend(#[from] io::Error),
+}
+
+/// A virtio device model, as the transport sees it.
+pub trait VirtioDevice: Send {
+    /// The virtio device id ([`device_type`]).
+    fn device_type(&self) -> u32;
+    /// The maximum size of each of the device's queues; its length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// The eventfds the transport signals on a QueueNotify for each queue (same order).
+    fn queue_events(&self) -> &[EventFd];
+    /// The feature bits the device offers (must include [`VIRTIO_F_VERSION_1`]).
+    fn avail_features(&self) -> u64;
+    /// The features the driver accepted (a subset of the offered ones; the transport checks).
+    fn set_acked_features(&mut self, features: u64);
+    /// A read of the device-specific config space. Out-of-range bytes read as zero.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// A write to the device-specific config space. Out-of-range writes are ignored.
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// The driver set DRIVER_OK: start serving `queues` (already checked valid) over `mem`.
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: std::sync::Arc<IrqTrigger>,
+    ) -> Result<(), ActivateError>;
+    /// The driver reset the device (status 0): drop the queues and any guest-visible state.
+    fn reset(&mut self);
+    /// Whether the device is activated.
+    fn is_activated(&self) -> bool;
+}

@@ -1,0 +1,1 @@
+//! Embeddable KVM microVM monitor.
