@@ -1,0 +1,388 @@
+//! What this host can run: KVM present and which kind, the KVM capabilities the embedded VMM
+//! needs, and whether a given guest kernel can boot under this host's KVM.
+//!
+//! The answer matters because some hosts expose a `/dev/kvm` that cannot boot a stock Linux
+//! guest: kvm-pvm (a software nested hypervisor) runs guest code but only boots guest kernels
+//! built with PVM guest support (design.md 3b). There the product falls back to the QEMU backend
+//! or fails fast with the reason, instead of hanging in a guest that never comes up.
+
+use std::fmt;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use kvm_ioctls::{Cap, Kvm};
+
+/// The kind of KVM this host offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KvmKind {
+    /// Hardware virtualization (Intel VMX or AMD SVM) behind kvm_intel / kvm_amd.
+    Hardware,
+    /// kvm-pvm: the Pagetable-based Virtual Machine, a software nested hypervisor.
+    Pvm,
+    /// A `/dev/kvm` of a kind not recognised (it may work; nothing is promised).
+    Unknown,
+    /// No usable `/dev/kvm`.
+    None,
+}
+
+impl fmt::Display for KvmKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KvmKind::Hardware => "hardware",
+            KvmKind::Pvm => "kvm-pvm",
+            KvmKind::Unknown => "unknown",
+            KvmKind::None => "none",
+        })
+    }
+}
+
+/// The KVM capabilities the embedded VMM relies on, with their names for messages.
+pub const REQUIRED_CAPS: &[(Cap, &str)] = &[
+    (Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
+    (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
+    (Cap::Pit2, "KVM_CAP_PIT2"),
+    (Cap::Irqfd, "KVM_CAP_IRQFD"),
+    (Cap::Ioeventfd, "KVM_CAP_IOEVENTFD"),
+    (Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
+    (Cap::SetTssAddr, "KVM_CAP_SET_TSS_ADDR"),
+    (Cap::ImmediateExit, "KVM_CAP_IMMEDIATE_EXIT"),
+    (Cap::MpState, "KVM_CAP_MP_STATE"),
+];
+
+/// What the guest kernel is, as far as booting it under this host's KVM goes.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct KernelReport {
+    /// The kernel file checked.
+    pub path: PathBuf,
+    /// Whether it was built with PVM guest support (CONFIG_PVM_GUEST), if that could be told.
+    pub pvm_guest: Option<bool>,
+    /// Whether it can boot under this host's KVM.
+    pub bootable: bool,
+    /// One line saying why (or why not).
+    pub reason: String,
+}
+
+/// The whole answer of `microvm check-host`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct HostReport {
+    /// Which KVM this is.
+    pub kvm_kind: KvmKind,
+    /// One line on how the kind was told (or why there is no KVM).
+    pub kvm_reason: String,
+    /// KVM_GET_API_VERSION, when /dev/kvm opened.
+    pub api_version: Option<i32>,
+    /// Required capabilities this KVM lacks (by name).
+    pub missing_caps: Vec<&'static str>,
+    /// The maximum vCPUs per VM KVM recommends, when /dev/kvm opened.
+    pub max_vcpus: Option<usize>,
+    /// The guest kernel verdict, when a kernel was given.
+    pub kernel: Option<KernelReport>,
+}
+
+impl HostReport {
+    /// Whether the embedded VMM can run VMs at all here (our own test guests, for one).
+    pub fn vmm_usable(&self) -> bool {
+        !matches!(self.kvm_kind, KvmKind::None) && self.missing_caps.is_empty()
+    }
+
+    /// Whether the checked Linux guest kernel can boot under the embedded VMM here.
+    pub fn linux_guest_bootable(&self) -> bool {
+        self.vmm_usable() && self.kernel.as_ref().is_some_and(|k| k.bootable)
+    }
+
+    /// The one-line reason a Linux guest cannot boot under the embedded VMM here, if it cannot.
+    pub fn linux_guest_blocker(&self) -> Option<String> {
+        if matches!(self.kvm_kind, KvmKind::None) {
+            return Some(format!("no usable KVM: {}", self.kvm_reason));
+        }
+        if !self.missing_caps.is_empty() {
+            return Some(format!(
+                "KVM lacks capabilities the VMM needs: {}",
+                self.missing_caps.join(", ")
+            ));
+        }
+        match &self.kernel {
+            None => Some("no guest kernel was given to check".to_string()),
+            Some(k) if !k.bootable => Some(k.reason.clone()),
+            Some(_) => None,
+        }
+    }
+
+    /// The human-readable lines `microvm check-host` prints.
+    pub fn lines(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        out.push(format!("kvm: {} ({})", self.kvm_kind, self.kvm_reason));
+        if let Some(v) = self.api_version {
+            out.push(format!("kvm api version: {v}"));
+        }
+        if let Some(n) = self.max_vcpus {
+            out.push(format!("kvm recommended max vcpus: {n}"));
+        }
+        if !matches!(self.kvm_kind, KvmKind::None) {
+            if self.missing_caps.is_empty() {
+                let names: Vec<&str> = REQUIRED_CAPS.iter().map(|(_, n)| *n).collect();
+                out.push(format!("capabilities: all present ({})", names.join(", ")));
+            } else {
+                out.push(format!("capabilities: missing {}", self.missing_caps.join(", ")));
+            }
+        }
+        out.push(format!(
+            "embedded vmm: {}",
+            if self.vmm_usable() {
+                "usable (runs our test guests)"
+            } else {
+                "not usable"
+            }
+        ));
+        match &self.kernel {
+            Some(k) => out.push(format!(
+                "guest kernel {}: {} ({})",
+                k.path.display(),
+                if k.bootable { "can boot here" } else { "cannot boot here" },
+                k.reason
+            )),
+            None => out.push("guest kernel: not checked (none given)".to_string()),
+        }
+        match self.linux_guest_blocker() {
+            None => out.push("verdict: linux guests boot under the embedded vmm".to_string()),
+            Some(why) => out.push(format!(
+                "verdict: linux guests cannot boot under the embedded vmm here: {why}"
+            )),
+        }
+        out
+    }
+}
+
+/// Tells which KVM this is from sysfs and the CPU flags.
+pub fn kvm_kind() -> (KvmKind, String) {
+    kvm_kind_from(Path::new("/sys/module"), Path::new("/proc/cpuinfo"), Path::new("/dev/kvm"))
+}
+
+fn kvm_kind_from(sys_module: &Path, cpuinfo: &Path, dev_kvm: &Path) -> (KvmKind, String) {
+    if !dev_kvm.exists() {
+        return (KvmKind::None, format!("{} does not exist", dev_kvm.display()));
+    }
+    if sys_module.join("kvm_pvm").exists() {
+        return (
+            KvmKind::Pvm,
+            "kvm_pvm is loaded: a software nested hypervisor, no VMX/SVM".to_string(),
+        );
+    }
+    let flags = fs::read_to_string(cpuinfo).unwrap_or_default();
+    let has_flag = |f: &str| {
+        flags
+            .lines()
+            .filter(|l| l.starts_with("flags"))
+            .any(|l| l.split_whitespace().any(|w| w == f))
+    };
+    for (module, flag, vendor) in [("kvm_intel", "vmx", "Intel VMX"), ("kvm_amd", "svm", "AMD SVM")] {
+        if sys_module.join(module).exists() && has_flag(flag) {
+            return (KvmKind::Hardware, format!("{module} is loaded, CPU has {vendor}"));
+        }
+    }
+    (
+        KvmKind::Unknown,
+        "neither kvm_intel, kvm_amd nor kvm_pvm is loaded".to_string(),
+    )
+}
+
+/// Whether `kernel` was built with PVM guest support: from the kernel config stored beside it
+/// (`config` or `.config`, as kernel-config/build.sh keeps it), else from its ELF symbols.
+pub fn kernel_has_pvm_guest(kernel: &Path) -> Result<Option<bool>, String> {
+    let dir = kernel.parent().unwrap_or(Path::new("."));
+    // build/vmlinux is a link into the kernel cache: look beside the real file too.
+    let real_dir = fs::canonicalize(kernel)
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf));
+    for d in [Some(dir.to_path_buf()), real_dir].into_iter().flatten() {
+        for name in ["config", ".config"] {
+            if let Ok(cfg) = fs::read_to_string(d.join(name)) {
+                return Ok(Some(cfg.lines().any(|l| l.trim() == "CONFIG_PVM_GUEST=y")));
+            }
+        }
+    }
+    let data = fs::read(kernel).map_err(|e| format!("cannot read {}: {e}", kernel.display()))?;
+    elf_has_pvm_symbols(&data)
+}
+
+fn elf_has_pvm_symbols(data: &[u8]) -> Result<Option<bool>, String> {
+    use object::{Object, ObjectSymbol};
+    let file = object::File::parse(data).map_err(|e| format!("not an ELF kernel: {e}"))?;
+    let mut any = false;
+    for sym in file.symbols() {
+        any = true;
+        if let Ok(name) = sym.name() {
+            if name == "pvm_early_setup" || name == "pvm_detect" {
+                return Ok(Some(true));
+            }
+        }
+    }
+    // A stripped kernel says nothing either way.
+    Ok(any.then_some(false))
+}
+
+/// Decides whether `kernel` can boot under a KVM of `kind`.
+pub fn check_kernel(kind: KvmKind, kernel: &Path) -> KernelReport {
+    let report = |pvm_guest, bootable, reason: String| KernelReport {
+        path: kernel.to_path_buf(),
+        pvm_guest,
+        bootable,
+        reason,
+    };
+    if let Err(e) = fs::File::open(kernel) {
+        return report(None, false, format!("cannot open {}: {e}", kernel.display()));
+    }
+    let pvm = match kernel_has_pvm_guest(kernel) {
+        Ok(p) => p,
+        Err(e) => return report(None, false, e),
+    };
+    match kind {
+        KvmKind::None => report(pvm, false, "no usable KVM on this host".to_string()),
+        KvmKind::Hardware => report(
+            pvm,
+            true,
+            "hardware virtualization boots a stock Linux guest".to_string(),
+        ),
+        KvmKind::Pvm => match pvm {
+            Some(true) => report(
+                pvm,
+                true,
+                "kvm-pvm host and the kernel has PVM guest support (CONFIG_PVM_GUEST)".to_string(),
+            ),
+            Some(false) => report(
+                pvm,
+                false,
+                "this host's KVM is kvm-pvm, which boots only guest kernels built with PVM guest \
+                 support (CONFIG_PVM_GUEST); this kernel has none (design.md 3b)"
+                    .to_string(),
+            ),
+            None => report(
+                pvm,
+                false,
+                "this host's KVM is kvm-pvm, which boots only PVM guest kernels; this kernel has \
+                 no config beside it and no symbols, so PVM support cannot be confirmed"
+                    .to_string(),
+            ),
+        },
+        KvmKind::Unknown => report(
+            pvm,
+            true,
+            "unrecognised KVM kind; assuming it boots a stock Linux guest".to_string(),
+        ),
+    }
+}
+
+/// Probes the host: KVM kind, API version, capabilities, and (if given) the guest kernel.
+pub fn probe(kernel: Option<&Path>) -> HostReport {
+    let (mut kind, mut kvm_reason) = kvm_kind();
+    let mut api_version = None;
+    let mut missing_caps = Vec::new();
+    let mut max_vcpus = None;
+    if kind != KvmKind::None {
+        match Kvm::new() {
+            Ok(kvm) => {
+                api_version = Some(kvm.get_api_version());
+                max_vcpus = Some(kvm.get_nr_vcpus());
+                missing_caps = REQUIRED_CAPS
+                    .iter()
+                    .filter(|(cap, _)| !kvm.check_extension(*cap))
+                    .map(|(_, name)| *name)
+                    .collect();
+            }
+            Err(e) => {
+                kind = KvmKind::None;
+                kvm_reason = format!("cannot open /dev/kvm: {e}");
+            }
+        }
+    }
+    HostReport {
+        kvm_kind: kind,
+        kvm_reason,
+        api_version,
+        missing_caps,
+        max_vcpus,
+        kernel: kernel.map(|k| check_kernel(kind, k)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("host-check-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn tells_kinds_apart() {
+        let d = tmp("kinds");
+        let modules = d.join("module");
+        let cpuinfo = d.join("cpuinfo");
+        let kvm = d.join("kvm");
+        assert_eq!(kvm_kind_from(&modules, &cpuinfo, &kvm).0, KvmKind::None);
+        fs::write(&kvm, "").unwrap();
+        fs::create_dir_all(modules.join("kvm_intel")).unwrap();
+        fs::write(&cpuinfo, "flags\t\t: fpu vme\n").unwrap();
+        assert_eq!(kvm_kind_from(&modules, &cpuinfo, &kvm).0, KvmKind::Unknown);
+        fs::write(&cpuinfo, "flags\t\t: fpu vmx sse\n").unwrap();
+        assert_eq!(kvm_kind_from(&modules, &cpuinfo, &kvm).0, KvmKind::Hardware);
+        fs::create_dir_all(modules.join("kvm_pvm")).unwrap();
+        assert_eq!(kvm_kind_from(&modules, &cpuinfo, &kvm).0, KvmKind::Pvm);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn kernel_verdict_follows_config_beside_it() {
+        let d = tmp("config");
+        let k = d.join("vmlinux");
+        fs::write(&k, b"not really a kernel").unwrap();
+        fs::write(d.join("config"), "CONFIG_64BIT=y\n").unwrap();
+        let r = check_kernel(KvmKind::Pvm, &k);
+        assert!(!r.bootable);
+        assert_eq!(r.pvm_guest, Some(false));
+        assert!(r.reason.contains("CONFIG_PVM_GUEST"), "{}", r.reason);
+        assert!(check_kernel(KvmKind::Hardware, &k).bootable);
+        fs::write(d.join("config"), "CONFIG_64BIT=y\nCONFIG_PVM_GUEST=y\n").unwrap();
+        assert!(check_kernel(KvmKind::Pvm, &k).bootable);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn missing_or_bogus_kernel_is_not_bootable() {
+        let d = tmp("bogus");
+        let r = check_kernel(KvmKind::Hardware, &d.join("nope"));
+        assert!(!r.bootable);
+        assert!(r.reason.contains("nope"), "{}", r.reason);
+        let k = d.join("vmlinux");
+        fs::write(&k, b"garbage").unwrap();
+        let r = check_kernel(KvmKind::Pvm, &k);
+        assert!(!r.bootable);
+        assert!(r.reason.contains("not an ELF"), "{}", r.reason);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn report_names_the_blocker() {
+        let r = HostReport {
+            kvm_kind: KvmKind::Pvm,
+            kvm_reason: "x".into(),
+            api_version: Some(12),
+            missing_caps: vec![],
+            max_vcpus: Some(4),
+            kernel: Some(KernelReport {
+                path: "/k".into(),
+                pvm_guest: Some(false),
+                bootable: false,
+                reason: "needs PVM".into(),
+            }),
+        };
+        assert!(r.vmm_usable());
+        assert!(!r.linux_guest_bootable());
+        assert_eq!(r.linux_guest_blocker().as_deref(), Some("needs PVM"));
+        assert!(r.lines().last().unwrap().contains("needs PVM"));
+    }
+}
