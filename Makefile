@@ -1,0 +1,44 @@
+# microvm: the two commands a new user runs are `make demo` and `make test` (README.md).
+# Everything else is a step they depend on. Artifacts land in build/ (git-ignored); the kernel
+# build and vhost-device-vsock are cached outside the repo in $(MICROVM_CACHE).
+
+MICROVM_CACHE ?= /var/cache/microvm
+export MICROVM_CACHE
+CARGO ?= cargo
+BUILD := $(CURDIR)/build
+
+.PHONY: all deps kernel initrd guests build test lint demo bench clean
+
+all: build kernel initrd guests
+
+deps:
+	scripts/install-deps.sh
+
+kernel: deps
+	kernel-config/build.sh
+
+initrd: deps
+	guest-agent/build-initrd.sh
+
+guests: deps
+	$(MAKE) -C tests/guests OUT=$(BUILD)/guests
+
+build: deps
+	$(CARGO) build --release --workspace --bins
+
+lint: deps
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+test: deps kernel initrd guests build
+	scripts/run-tests.sh
+
+demo: deps kernel initrd build
+	scripts/demo.sh
+
+bench: deps kernel initrd guests build
+	$(CARGO) run --release -p microvm-tests --bin microvm-bench
+
+clean:
+	rm -rf $(BUILD)
+	$(CARGO) clean

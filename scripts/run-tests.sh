@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# `make test`: lint, every unit and integration test (real /dev/kvm with our test guests, our
+# Linux guest under QEMU/TCG), then the Linux-guest-under-our-VMM tests where this host can boot
+# a Linux guest. Where it cannot, those are printed as skipped with check-host's reason: never
+# counted as passed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MICROVM_KERNEL=${MICROVM_KERNEL:-$PWD/build/vmlinux}
+export MICROVM_INITRD=${MICROVM_INITRD:-$PWD/build/initrd.cpio}
+export MICROVM_GUEST_DIR=${MICROVM_GUEST_DIR:-$PWD/build/guests}
+
+echo "== lint"
+cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+
+echo "== tests"
+# Integration tests boot VMs; two at a time is what two cores carry without timeouts.
+cargo test --release --workspace -- --test-threads=2
+
+echo "== linux guest under the embedded vmm"
+set +e
+verdict=$(target/release/microvm check-host --kernel "$MICROVM_KERNEL")
+status=$?
+set -e
+echo "$verdict"
+if [ $status -eq 0 ]; then
+  cargo test --release -p microvm-tests --test kvm_linux_guest -- --include-ignored --test-threads=1
+elif [ $status -eq 2 ]; then
+  reason=$(echo "$verdict" | sed -n 's/^verdict: //p')
+  n=$(grep -c '#\[ignore' tests/tests/kvm_linux_guest.rs || true)
+  echo "SKIPPED: $n linux-guest-under-kvm tests: $reason"
+else
+  echo "check-host failed (exit $status)" >&2
+  exit 1
+fi
+
+echo "== leftovers"
+left=$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|microvm-agent' || true)
+if [ -n "$left" ]; then
+  echo "processes left behind by the tests:" >&2
+  echo "$left" >&2
+  exit 1
+fi
+echo "no VM processes left behind"
