@@ -1,1 +1,50 @@
-//! Agent protocol.
+//! The shim <-> guest agent API: protobuf messages and the ttrpc `Agent` service, generated at
+//! build time from `agent.proto` (package `microvm.agent.v1`).
+//!
+//! - [`agent`]: the messages (`CheckRequest`, `CheckResponse`, `ShutdownRequest`, ...).
+//! - [`agent_ttrpc`]: the service: the `Agent` server trait with `create_agent`, and the
+//!   synchronous `AgentClient`.
+
+include!(concat!(env!("OUT_DIR"), "/mod.rs"));
+
+/// The vsock port the agent listens on inside the guest.
+pub const AGENT_VSOCK_PORT: u32 = 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::agent::{CheckResponse, ShutdownResponse};
+    use protobuf::Message;
+
+    #[test]
+    fn check_response_round_trips() {
+        let resp = CheckResponse {
+            agent_version: "0.1.0".into(),
+            kernel_release: "6.1.0".into(),
+            online_vcpus: 2,
+            mem_total_kib: 262_144,
+            boot_id: "f3a8c0de-0000-4000-8000-000000000000".into(),
+            ..Default::default()
+        };
+        let bytes = resp.write_to_bytes().expect("encode");
+        let back = CheckResponse::parse_from_bytes(&bytes).expect("decode");
+        assert_eq!(back, resp);
+    }
+
+    #[test]
+    fn service_methods_have_the_package_paths() {
+        let methods = super::agent_ttrpc::create_agent(std::sync::Arc::new(Unimplemented));
+        let mut paths: Vec<&str> = methods.keys().map(String::as_str).collect();
+        paths.sort_unstable();
+        assert_eq!(
+            paths,
+            [
+                "/microvm.agent.v1.Agent/Check",
+                "/microvm.agent.v1.Agent/Shutdown"
+            ]
+        );
+        assert_eq!(ShutdownResponse::new().compute_size(), 0);
+    }
+
+    struct Unimplemented;
+    impl super::agent_ttrpc::Agent for Unimplemented {}
+}
