@@ -1,0 +1,322 @@
+//! The virtio-vsock device: three queues (RX, TX, event), config space = the guest CID (u64 le).
+//!
+//! TX chains are parsed into packets and handed to the [`VsockMuxer`]; RX buffers are filled
+//! with whatever the muxer has for the guest. Each pass over a queue handles at most one
+//! queue's worth of chains, then re-signals itself, so a guest that keeps the queue full cannot
+//! hold the event loop.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::muxer::VsockMuxer;
+use super::packet::{read_tx_packet, RxBuffer};
+use super::{VsockError, EVENT_QUEUE, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
+use crate::virtio::{
+    device_type, ActivateError, IrqTrigger, VirtioDevice, INT_VRING, VIRTIO_F_VERSION_1,
+};
+use crate::GuestMemory;
+
+const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
+
+struct Active {
+    mem: GuestMemory,
+    queues: Vec<Queue>,
+    interrupt: Arc<IrqTrigger>,
+}
+
+/// The virtio-vsock device with its hybrid-vsock backend.
+pub struct Vsock {
+    guest_cid: u64,
+    acked_features: u64,
+    queue_events: Vec<EventFd>,
+    active: Option<Active>,
+    pub(super) muxer: VsockMuxer,
+}
+
+impl Vsock {
+    /// A device for a guest with `guest_cid`, listening at `uds_path` (a stale socket there is
+    /// replaced; the socket is removed when the device is dropped).
+    pub fn new(guest_cid: u64, uds_path: &Path) -> Result<Self, VsockError> {
+        Self::with_max_connections(guest_cid, uds_path, MAX_CONNECTIONS)
+    }
+
+    /// Like [`Vsock::new`], with a limit on simultaneous connections.
+    pub fn with_max_connections(
+        guest_cid: u64,
+        uds_path: &Path,
+        max_connections: usize,
+    ) -> Result<Self, VsockError> {
+        if guest_cid <= 2 || guest_cid >= u64::from(u32::MAX) {
+            return Err(VsockError::InvalidCid(guest_cid));
+        }
+        let queue_events = (0..QUEUE_SIZES.len())
+            .map(|_| EventFd::new(EFD_NONBLOCK))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| VsockError::Sys("queue eventfd", e))?;
+        let muxer = VsockMuxer::new(guest_cid, uds_path, max_connections)?;
+        Ok(Self {
+            guest_cid,
+            acked_features: 0,
+            queue_events,
+            active: None,
+            muxer,
+        })
+    }
+
+    /// The guest's CID.
+    pub fn guest_cid(&self) -> u64 {
+        self.guest_cid
+    }
+
+    /// The host socket the device listens on.
+    pub fn uds_path(&self) -> &Path {
+        self.muxer.uds_path()
+    }
+
+    /// The features the driver accepted.
+    pub fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+
+    /// Open connections (including handshakes in progress).
+    pub fn connection_count(&self) -> usize {
+        self.muxer.connection_count()
+    }
+
+    /// The muxer's epoll fd (readable when the backend has work: see [`Vsock::process_backend`]).
+    pub fn backend_fd(&self) -> std::os::unix::io::RawFd {
+        use std::os::unix::io::AsRawFd;
+        self.muxer.as_raw_fd()
+    }
+
+    pub(super) fn queue_events_ref(&self) -> &[EventFd] {
+        &self.queue_events
+    }
+
+    fn kick(&self, queue: usize) {
+        if let Some(evt) = self.queue_events.get(queue) {
+            if let Err(e) = evt.write(1) {
+                log::error!("vsock: re-signalling queue {queue}: {e}");
+            }
+        }
+    }
+
+    /// Handles guest packets on the TX queue, then sends any replies.
+    pub fn process_tx(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let Active {
+            mem,
+            queues,
+            interrupt,
+        } = active;
+        let Some(txq) = queues.get_mut(TX_QUEUE) else {
+            return;
+        };
+        let mut used = false;
+        let mut more = false;
+        for i in 0..=txq.size() {
+            let Some(chain) = txq.pop_descriptor_chain(&*mem) else {
+                break;
+            };
+            if i == txq.size() {
+                // Budget spent: put it back and come back later.
+                txq.go_to_previous_position();
+                more = true;
+                break;
+            }
+            let head = chain.head_index();
+            match read_tx_packet(mem, chain) {
+                Ok(pkt) => self.muxer.send_pkt(pkt),
+                Err(e) => log::debug!("vsock: bad TX packet: {e}"),
+            }
+            if let Err(e) = txq.add_used(&*mem, head, 0) {
+                log::error!("vsock: TX used ring: {e}");
+            }
+            used = true;
+        }
+        if used {
+            notify(txq, mem, interrupt);
+        }
+        if more {
+            self.kick(TX_QUEUE);
+        }
+        self.process_rx();
+    }
+
+    /// Fills the guest's RX buffers with pending packets.
+    pub fn process_rx(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let Active {
+            mem,
+            queues,
+            interrupt,
+        } = active;
+        let Some(rxq) = queues.get_mut(RX_QUEUE) else {
+            return;
+        };
+        let mut used = false;
+        let mut more = false;
+        for i in 0..=rxq.size() {
+            if !self.muxer.has_pending_rx() {
+                break;
+            }
+            if i == rxq.size() {
+                more = true;
+                break;
+            }
+            let Some(chain) = rxq.pop_descriptor_chain(&*mem) else {
+                break;
+            };
+            let head = chain.head_index();
+            let buf = match RxBuffer::new(mem, chain) {
+                Ok(b) => b,
+                Err(e) => {
+                    // Unusable buffer: give it back empty.
+                    log::debug!("vsock: bad RX buffer: {e}");
+                    if let Err(e) = rxq.add_used(&*mem, head, 0) {
+                        log::error!("vsock: RX used ring: {e}");
+                    }
+                    used = true;
+                    continue;
+                }
+            };
+            let Some(pkt) = self.muxer.recv_pkt(buf.data_capacity()) else {
+                rxq.go_to_previous_position();
+                break;
+            };
+            let len = match buf.write(&pkt.hdr, &pkt.data) {
+                Ok(n) => n,
+                Err(e) => {
+                    log::error!("vsock: writing an RX packet: {e}");
+                    0
+                }
+            };
+            if let Err(e) = rxq.add_used(&*mem, head, len) {
+                log::error!("vsock: RX used ring: {e}");
+            }
+            used = true;
+        }
+        if used {
+            notify(rxq, mem, interrupt);
+        }
+        if more {
+            self.kick(RX_QUEUE);
+        }
+    }
+
+    /// Handles backend events (host connections), then fills RX buffers.
+    pub fn process_backend(&mut self) {
+        self.muxer.process_events();
+        self.process_rx();
+    }
+
+    /// The queue eventfd of `queue` was signalled: consume it and do the queue's work.
+    pub fn process_queue_event(&mut self, queue: usize) {
+        let Some(evt) = self.queue_events.get(queue) else {
+            return;
+        };
+        if let Err(e) = evt.read() {
+            if e.kind() != std::io::ErrorKind::WouldBlock {
+                log::error!("vsock: reading queue {queue} event: {e}");
+            }
+        }
+        match queue {
+            RX_QUEUE => self.process_rx(),
+            TX_QUEUE => self.process_tx(),
+            // Only the device writes to the event queue (transport resets), which we never do.
+            _ => {}
+        }
+    }
+}
+
+fn notify(q: &mut Queue, mem: &GuestMemory, interrupt: &IrqTrigger) {
+    match q.needs_notification(mem) {
+        Ok(false) => {}
+        Ok(true) | Err(_) => {
+            if let Err(e) = interrupt.trigger(INT_VRING) {
+                log::error!("vsock: raising the interrupt: {e}");
+            }
+        }
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        device_type::VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_events
+    }
+
+    fn avail_features(&self) -> u64 {
+        1 << VIRTIO_F_VERSION_1
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features & self.avail_features();
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let cfg = self.guest_cid.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = offset
+                .checked_add(i as u64)
+                .and_then(|o| usize::try_from(o).ok())
+                .and_then(|o| cfg.get(o))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        log::debug!(
+            "vsock: ignoring a {}-byte config write at {offset:#x}",
+            data.len()
+        );
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<IrqTrigger>,
+    ) -> Result<(), ActivateError> {
+        if queues.len() != QUEUE_SIZES.len() {
+            return Err(ActivateError::QueueCount {
+                want: QUEUE_SIZES.len(),
+                got: queues.len(),
+            });
+        }
+        self.active = Some(Active {
+            mem,
+            queues,
+            interrupt,
+        });
+        // Packets may be waiting from before the driver was up (host connections).
+        self.kick(RX_QUEUE);
+        let _ = EVENT_QUEUE;
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+        self.muxer.reset();
+    }
+
+    fn is_activated(&self) -> bool {
+        self.active.is_some()
+    }
+}
