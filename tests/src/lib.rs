@@ -1,1 +1,3 @@
 //! Test support.
+
+pub mod vsock_peer;
