@@ -1,1 +1,35 @@
 //! Embeddable KVM microVM monitor.
+//!
+//! [`Vm::start`] boots a VM from a [`VmConfig`] (an ELF kernel, via the 64-bit Linux or the PVH
+//! boot protocol) and returns a [`VmHandle`] to wait for it or stop it. Threads: one per vCPU
+//! running KVM_RUN, one device event loop. The guest physical layout is in [`layout`].
+
+pub mod boot;
+pub mod config;
+pub mod cpuid;
+pub mod devices;
+mod error;
+pub mod event_loop;
+mod handle;
+pub mod kvm_vm;
+pub mod layout;
+pub mod memory;
+pub mod mptable;
+pub mod msrs;
+pub mod regs;
+mod vcpu;
+mod vm;
+
+pub use config::{BootProtocol, SerialSink, VmConfig, VsockConfig};
+pub use error::VmmError;
+pub use handle::VmHandle;
+pub use vm::Vm;
+
+/// How a VM ended without error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmExit {
+    /// The guest reset the machine (i8042 0xFE, or a KVM reset/shutdown system event).
+    Reset,
+    /// [`VmHandle::stop`] was called (or the handle dropped).
+    Stopped,
+}

@@ -74,7 +74,10 @@ impl BusDevice for SerialDevice {
                     log::warn!("serial: write failed: {e:?}");
                 }
             }
-            _ => log::debug!("serial: ignored write of {} bytes at {offset:#x}", data.len()),
+            _ => log::debug!(
+                "serial: ignored write of {} bytes at {offset:#x}",
+                data.len()
+            ),
         }
     }
 }
@@ -99,7 +102,10 @@ mod tests {
     fn device() -> (SerialDevice, Shared) {
         let out = Shared::default();
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        (SerialDevice::new(EventFdTrigger::new(evt), Box::new(out.clone())), out)
+        (
+            SerialDevice::new(EventFdTrigger::new(evt), Box::new(out.clone())),
+            out,
+        )
     }
 
     #[test]

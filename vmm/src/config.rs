@@ -1,0 +1,281 @@
+//! The VM's configuration, as the embedding program (the shim's CLI) gives it, and its checks.
+
+use std::fmt;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use crate::layout::{MAX_MEMORY_MIB, MAX_VCPUS};
+use crate::VmmError;
+
+/// Where the guest's serial console output goes.
+pub enum SerialSink {
+    /// Dropped.
+    Null,
+    /// The process's standard output.
+    Stdout,
+    /// A file, created or truncated.
+    File(PathBuf),
+    /// Any writer (a pipe, a buffer shared with a test...).
+    Writer(Box<dyn Write + Send>),
+}
+
+impl fmt::Debug for SerialSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SerialSink::Null => f.write_str("Null"),
+            SerialSink::Stdout => f.write_str("Stdout"),
+            SerialSink::File(p) => f.debug_tuple("File").field(p).finish(),
+            SerialSink::Writer(_) => f.write_str("Writer(..)"),
+        }
+    }
+}
+
+impl SerialSink {
+    /// Opens the sink as a writer.
+    pub(crate) fn into_writer(self) -> Result<Box<dyn Write + Send>, VmmError> {
+        Ok(match self {
+            SerialSink::Null => Box::new(io::sink()),
+            SerialSink::Stdout => Box::new(io::stdout()),
+            SerialSink::File(path) => {
+                let f = File::create(&path).map_err(|source| VmmError::Io {
+                    op: format!("create the serial output file {}", path.display()),
+                    source,
+                })?;
+                Box::new(f)
+            }
+            SerialSink::Writer(w) => w,
+        })
+    }
+}
+
+/// The hybrid vsock device: the guest's CID and the host Unix socket it listens on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VsockConfig {
+    pub guest_cid: u32,
+    pub uds_path: PathBuf,
+}
+
+/// How the boot vCPU enters the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BootProtocol {
+    /// PVH if the ELF has a PVH entry note, otherwise the 64-bit Linux boot protocol.
+    #[default]
+    Auto,
+    /// 64-bit Linux boot protocol (long mode, zero page in RSI).
+    Linux64,
+    /// PVH (32-bit protected mode, hvm_start_info in EBX); the ELF must have the note.
+    Pvh,
+}
+
+/// Everything needed to boot a VM.
+#[derive(Debug)]
+pub struct VmConfig {
+    pub vcpus: u8,
+    pub memory_mib: u64,
+    /// An uncompressed ELF kernel (vmlinux, or one of our test guests).
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    /// The user's part of the kernel command line; the VMM appends its device arguments.
+    pub cmdline: String,
+    pub serial: SerialSink,
+    pub vsock: Option<VsockConfig>,
+    pub boot_protocol: BootProtocol,
+}
+
+impl VmConfig {
+    /// A config with 1 vCPU, 128 MiB, no initrd, console on stdout.
+    pub fn new(kernel: impl Into<PathBuf>) -> Self {
+        Self {
+            vcpus: 1,
+            memory_mib: 128,
+            kernel: kernel.into(),
+            initrd: None,
+            cmdline: String::new(),
+            serial: SerialSink::Stdout,
+            vsock: None,
+            boot_protocol: BootProtocol::Auto,
+        }
+    }
+
+    /// Checks the config before anything is created: vCPU count, memory size, readable files.
+    pub fn validate(&self) -> Result<(), VmmError> {
+        if self.vcpus == 0 {
+            return Err(VmmError::Config(
+                "a VM needs at least 1 vCPU, 0 given".into(),
+            ));
+        }
+        if self.vcpus > MAX_VCPUS {
+            return Err(VmmError::Config(format!(
+                "{} vCPUs requested, at most {MAX_VCPUS} are supported",
+                self.vcpus
+            )));
+        }
+        if self.memory_mib == 0 {
+            return Err(VmmError::Config("guest memory of 0 MiB requested".into()));
+        }
+        if self.memory_mib < 2 {
+            return Err(VmmError::Config(format!(
+                "guest memory of {} MiB is too small: at least 2 MiB (the kernel loads at 1 MiB)",
+                self.memory_mib
+            )));
+        }
+        if self.memory_mib > MAX_MEMORY_MIB {
+            return Err(VmmError::Config(format!(
+                "guest memory of {} MiB exceeds the limit of {MAX_MEMORY_MIB} MiB",
+                self.memory_mib
+            )));
+        }
+        if let Some(host) = host_memory_mib() {
+            if self.memory_mib > host {
+                return Err(VmmError::Config(format!(
+                    "guest memory of {} MiB exceeds the host's {host} MiB of RAM",
+                    self.memory_mib
+                )));
+            }
+        }
+        check_readable(&self.kernel).map_err(|reason| VmmError::Kernel {
+            path: self.kernel.clone(),
+            reason,
+        })?;
+        if let Some(initrd) = &self.initrd {
+            check_readable(initrd).map_err(|reason| VmmError::Initrd {
+                path: initrd.clone(),
+                reason,
+            })?;
+        }
+        if let Some(v) = &self.vsock {
+            if v.guest_cid < 3 {
+                return Err(VmmError::Config(format!(
+                    "vsock guest CID {} is reserved (CIDs 0-2); use 3 or more",
+                    v.guest_cid
+                )));
+            }
+            if v.uds_path.as_os_str().is_empty() {
+                return Err(VmmError::Config("vsock socket path is empty".into()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `path` is a regular file we can open for reading; the reason if not.
+fn check_readable(path: &Path) -> Result<(), String> {
+    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    File::open(path).map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// Total RAM of the host in MiB (from sysinfo), if known.
+fn host_memory_mib() -> Option<u64> {
+    // SAFETY: sysinfo only writes into the struct we pass; a zeroed sysinfo is a valid value.
+    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid, writable sysinfo struct.
+    if unsafe { libc::sysinfo(&mut info) } != 0 {
+        return None;
+    }
+    let bytes = u64::from(info.totalram).checked_mul(u64::from(info.mem_unit))?;
+    Some(bytes >> 20)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg_with_kernel() -> (VmConfig, tempfile_lite::TempFile) {
+        let k = tempfile_lite::TempFile::new("kernel", b"\x7fELF");
+        (VmConfig::new(k.path()), k)
+    }
+
+    /// A tiny temporary file helper (std only).
+    mod tempfile_lite {
+        use std::path::{Path, PathBuf};
+        pub struct TempFile(PathBuf);
+        impl TempFile {
+            pub fn new(name: &str, content: &[u8]) -> Self {
+                let p = std::env::temp_dir().join(format!(
+                    "vmm-config-test-{}-{name}-{:?}",
+                    std::process::id(),
+                    std::thread::current().id()
+                ));
+                std::fs::write(&p, content).unwrap();
+                Self(p)
+            }
+            pub fn path(&self) -> &Path {
+                &self.0
+            }
+        }
+        impl Drop for TempFile {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_file(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn accepts_a_sane_config() {
+        let (c, _k) = cfg_with_kernel();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_vcpus_and_memory() {
+        let (mut c, _k) = cfg_with_kernel();
+        c.vcpus = 0;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("at least 1 vCPU"));
+        c.vcpus = 255;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("at most 254"));
+        c.vcpus = 1;
+        c.memory_mib = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("0 MiB"));
+        c.memory_mib = MAX_MEMORY_MIB + 1;
+        assert!(c.validate().unwrap_err().to_string().contains("exceeds"));
+        if let Some(host) = host_memory_mib() {
+            if host < MAX_MEMORY_MIB {
+                c.memory_mib = host + 1;
+                assert!(c.validate().unwrap_err().to_string().contains("host"));
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_missing_files_naming_them() {
+        let (mut c, _k) = cfg_with_kernel();
+        c.initrd = Some("/nonexistent/initrd.img".into());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/initrd.img"), "{e}");
+        c.initrd = None;
+        c.kernel = "/nonexistent/vmlinux".into();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("/nonexistent/vmlinux") && e.contains("No such file"),
+            "{e}"
+        );
+        c.kernel = std::env::temp_dir();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("not a regular file"));
+    }
+
+    #[test]
+    fn rejects_reserved_vsock_cid() {
+        let (mut c, _k) = cfg_with_kernel();
+        c.vsock = Some(VsockConfig {
+            guest_cid: 2,
+            uds_path: "/tmp/x.sock".into(),
+        });
+        assert!(c.validate().unwrap_err().to_string().contains("reserved"));
+    }
+}

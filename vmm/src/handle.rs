@@ -1,0 +1,259 @@
+//! The running VM as its owner sees it: wait for the end, stop it, read facts about it.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use vmm_devices::bus::lock;
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::Killable;
+
+use crate::kvm_vm::KvmVm;
+use crate::memory::GuestMemory;
+use crate::vcpu::kick_signal;
+use crate::{VmExit, VmmError};
+
+/// How long teardown keeps kicking a vCPU thread before giving up on it (it is then detached).
+const KICK_LIMIT: Duration = Duration::from_secs(5);
+const KICK_INTERVAL: Duration = Duration::from_millis(2);
+
+/// State shared by the handle, the vCPU threads and the event loop.
+pub(crate) struct Shared {
+    stop: AtomicBool,
+    outcome: Mutex<Outcome>,
+    ended: Condvar,
+    /// Wakes the event loop when the VM ends.
+    pub(crate) exit_evt: EventFd,
+}
+
+enum Outcome {
+    Running,
+    Ended(Result<VmExit, VmmError>),
+    Taken,
+}
+
+impl Shared {
+    pub(crate) fn new() -> Result<Self, VmmError> {
+        Ok(Self {
+            stop: AtomicBool::new(false),
+            outcome: Mutex::new(Outcome::Running),
+            ended: Condvar::new(),
+            exit_evt: EventFd::new(libc::EFD_NONBLOCK)
+                .map_err(VmmError::io("create an eventfd"))?,
+        })
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Records how the VM ended (the first reason wins) and asks every thread to stop.
+    pub(crate) fn finish(&self, result: Result<VmExit, VmmError>) {
+        {
+            let mut o = lock(&self.outcome);
+            if matches!(*o, Outcome::Running) {
+                *o = Outcome::Ended(result);
+            }
+        }
+        self.stop.store(true, Ordering::SeqCst);
+        if let Err(e) = self.exit_evt.write(1) {
+            log::warn!("cannot wake the event loop: {e}");
+        }
+        self.ended.notify_all();
+    }
+
+    fn is_ended(&self) -> bool {
+        !matches!(*lock(&self.outcome), Outcome::Running)
+    }
+}
+
+/// The threads and resources of a running VM, released by teardown.
+pub(crate) struct Running {
+    pub(crate) vcpu_threads: Vec<JoinHandle<()>>,
+    pub(crate) event_thread: Option<JoinHandle<()>>,
+    /// Kept alive until the threads are gone (memory slots point into `mem`).
+    pub(crate) vm: Option<KvmVm>,
+    pub(crate) mem: Option<GuestMemory>,
+}
+
+impl Running {
+    /// Ends every thread (kicking vCPUs out of KVM_RUN), joins them, closes the VM.
+    fn teardown(mut self, shared: &Shared) {
+        shared.stop.store(true, Ordering::SeqCst);
+        let _ = shared.exit_evt.write(1);
+        for t in self.vcpu_threads.drain(..) {
+            let started = Instant::now();
+            while !t.is_finished() {
+                if started.elapsed() > KICK_LIMIT {
+                    log::error!("a vCPU thread does not stop; leaving it detached");
+                    break;
+                }
+                if let Err(e) = t.kill(kick_signal()) {
+                    log::debug!("kick failed: {e}");
+                }
+                std::thread::sleep(KICK_INTERVAL);
+            }
+            if t.is_finished() && t.join().is_err() {
+                log::error!("a vCPU thread panicked");
+            }
+        }
+        if let Some(t) = self.event_thread.take() {
+            if t.join().is_err() {
+                log::error!("the device event-loop thread panicked");
+            }
+        }
+        // vCPU fds are closed by their threads; now the VM and its memory.
+        drop(self.vm.take());
+        drop(self.mem.take());
+    }
+}
+
+/// A running VM. Dropping it stops the VM and releases everything.
+pub struct VmHandle {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) running: Mutex<Option<Running>>,
+    pub(crate) vsock_uds_path: Option<PathBuf>,
+    pub(crate) boot_time: Duration,
+    pub(crate) started_at: Instant,
+    pub(crate) vcpus: u8,
+    pub(crate) memory_mib: u64,
+    pub(crate) cmdline: String,
+    pub(crate) entry: crate::regs::EntryMode,
+}
+
+impl VmHandle {
+    /// Blocks until the VM has ended and every thread is joined and fd closed; returns how it
+    /// ended. A second call returns [`VmmError::AlreadyWaited`].
+    pub fn wait(&self) -> Result<VmExit, VmmError> {
+        {
+            let mut o = lock(&self.shared.outcome);
+            while matches!(*o, Outcome::Running) {
+                o = self.shared.ended.wait(o).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        self.reap()
+    }
+
+    /// Like [`VmHandle::wait`], but gives up after `timeout` (returning `None`; the VM keeps
+    /// running).
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<VmExit, VmmError>> {
+        let deadline = Instant::now() + timeout;
+        {
+            let mut o = lock(&self.shared.outcome);
+            while matches!(*o, Outcome::Running) {
+                let now = Instant::now();
+                if now >= deadline {
+                    return None;
+                }
+                o = self
+                    .shared
+                    .ended
+                    .wait_timeout(o, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        }
+        Some(self.reap())
+    }
+
+    /// Asks the VM to end; [`VmHandle::wait`] then returns [`VmExit::Stopped`] (unless it had
+    /// already ended another way).
+    pub fn stop(&self) {
+        self.shared.finish(Ok(VmExit::Stopped));
+    }
+
+    /// Whether the VM has ended (its result may not have been collected yet).
+    pub fn has_ended(&self) -> bool {
+        self.shared.is_ended()
+    }
+
+    /// The host Unix socket of the hybrid vsock device, if the VM has one.
+    pub fn vsock_uds_path(&self) -> Option<&Path> {
+        self.vsock_uds_path.as_deref()
+    }
+
+    /// How long `Vm::start` took, from its call to the vCPU threads running.
+    pub fn boot_time(&self) -> Duration {
+        self.boot_time
+    }
+
+    /// When `Vm::start` was called.
+    pub fn started_at(&self) -> Instant {
+        self.started_at
+    }
+
+    /// The number of vCPUs.
+    pub fn vcpus(&self) -> u8 {
+        self.vcpus
+    }
+
+    /// Guest RAM in MiB.
+    pub fn memory_mib(&self) -> u64 {
+        self.memory_mib
+    }
+
+    /// The full kernel command line the guest got (the user's part plus device arguments).
+    pub fn cmdline(&self) -> &str {
+        &self.cmdline
+    }
+
+    /// "linux64" or "pvh": the entry protocol used.
+    pub fn boot_entry(&self) -> &'static str {
+        match self.entry {
+            crate::regs::EntryMode::Long64 => "linux64",
+            crate::regs::EntryMode::Pvh32 => "pvh",
+        }
+    }
+
+    fn teardown(&self) {
+        if let Some(r) = lock(&self.running).take() {
+            r.teardown(&self.shared);
+        }
+    }
+
+    fn reap(&self) -> Result<VmExit, VmmError> {
+        self.teardown();
+        let mut o = lock(&self.shared.outcome);
+        match std::mem::replace(&mut *o, Outcome::Taken) {
+            Outcome::Ended(r) => r,
+            Outcome::Taken => Err(VmmError::AlreadyWaited),
+            Outcome::Running => unreachable!("reap runs after the VM ended"),
+        }
+    }
+}
+
+impl Drop for VmHandle {
+    fn drop(&mut self) {
+        self.shared.finish(Ok(VmExit::Stopped));
+        self.teardown();
+    }
+}
+
+/// Builds the handle while the VM is being set up: on an error, dropping it tears down whatever
+/// threads were already started.
+pub(crate) fn new_running() -> Running {
+    Running {
+        vcpu_threads: Vec::new(),
+        event_thread: None,
+        vm: None,
+        mem: None,
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // Normal teardown drains everything first; this only matters on a failed start.
+        if !self.vcpu_threads.is_empty() || self.event_thread.is_some() {
+            log::debug!("releasing a partly started VM");
+        }
+    }
+}
+
+/// Tears down a partly started VM (used when `Vm::start` fails half-way).
+pub(crate) fn abort_start(running: Running, shared: &Shared, err: VmmError) -> VmmError {
+    shared.finish(Err(VmmError::Config("start aborted".into())));
+    running.teardown(shared);
+    err
+}

@@ -1,0 +1,51 @@
+//! The guest physical layout (x86_64), a fixed contract with the guests and the CLI.
+
+/// The GDT the VMM writes for the boot vCPU.
+pub const BOOT_GDT_START: u64 = 0x500;
+/// An empty IDT (the guest installs its own).
+pub const BOOT_IDT_START: u64 = 0x520;
+/// PVH: the hvm_start_info structure.
+pub const PVH_INFO_START: u64 = 0x6000;
+/// PVH: the module list (the initrd), right after the start info.
+pub const PVH_MODLIST_START: u64 = 0x6040;
+/// PVH: the memory map.
+pub const PVH_MEMMAP_START: u64 = 0x6100;
+/// Linux: the zero page (boot_params).
+pub const ZERO_PAGE_START: u64 = 0x7000;
+/// Initial stack pointer of the boot vCPU.
+pub const BOOT_STACK_POINTER: u64 = 0x8ff0;
+/// Page tables: PML4, then the PDPT and the PD mapping the first GiB with 2 MiB pages.
+pub const PML4_START: u64 = 0x9000;
+pub const PDPTE_START: u64 = 0xa000;
+pub const PDE_START: u64 = 0xb000;
+/// Where the kernel command line is written, and its maximum size (with the NUL).
+pub const CMDLINE_START: u64 = 0x20000;
+pub const CMDLINE_MAX_SIZE: usize = 4096;
+/// Start of the extended BIOS data area: the MP table lives here; RAM below it is usable.
+pub const EBDA_START: u64 = 0x9fc00;
+/// Kernels are loaded at or above 1 MiB.
+pub const HIMEM_START: u64 = 0x10_0000;
+/// The MMIO gap: no RAM between 3 GiB and 4 GiB.
+pub const MMIO_GAP_START: u64 = 0xc000_0000;
+pub const MMIO_GAP_END: u64 = 0x1_0000_0000;
+/// virtio-mmio devices: one 4 KiB window each from here, interrupt GSI 5 + index.
+pub const VIRTIO_MMIO_BASE: u64 = 0xd000_0000;
+pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
+pub const VIRTIO_MMIO_FIRST_GSI: u32 = 5;
+/// How many virtio-mmio devices fit (GSIs 5..=23 on the IOAPIC).
+pub const VIRTIO_MMIO_MAX_DEVICES: u32 = 19;
+/// The IOAPIC and the local APICs.
+pub const IOAPIC_START: u64 = 0xfec0_0000;
+pub const APIC_START: u64 = 0xfee0_0000;
+/// KVM's TSS (three pages) and identity-map page, at the top of the MMIO gap.
+pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
+pub const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
+/// COM1.
+pub const SERIAL_PORT: u64 = 0x3f8;
+pub const SERIAL_GSI: u32 = 4;
+/// IOAPIC pins.
+pub const IOAPIC_PINS: u8 = 24;
+/// The largest guest RAM we accept.
+pub const MAX_MEMORY_MIB: u64 = 64 * 1024;
+/// The most vCPUs: APIC ids 0..=253, the IOAPIC takes the next id and 0xff is broadcast.
+pub const MAX_VCPUS: u8 = 254;

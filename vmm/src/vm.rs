@@ -1,0 +1,172 @@
+//! Building and starting a VM, step by step:
+//! 1. check the config; 2. guest memory and the KVM VM (irqchip, PIT, memory slots);
+//! 3. devices (serial, i8042, virtio) and the command line; 4. kernel, initrd, boot information,
+//! MP table, page tables; 5. vCPUs; 6. the device event-loop thread, then one thread per vCPU.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::boot::{self, BootError};
+use crate::config::{BootProtocol, VmConfig};
+use crate::devices::DeviceManager;
+use crate::event_loop::{self, Control};
+use crate::handle::{abort_start, new_running, Running, Shared, VmHandle};
+use crate::kvm_vm::KvmVm;
+use crate::memory::create_guest_memory;
+use crate::regs::{write_page_tables, EntryMode};
+use crate::vcpu::{install_kick_handler, Vcpu};
+use crate::{mptable, VmmError};
+
+/// The embedded VMM's entry point.
+pub struct Vm;
+
+impl Vm {
+    /// Boots a VM from `cfg` and returns its handle once every vCPU thread runs.
+    pub fn start(cfg: VmConfig) -> Result<VmHandle, VmmError> {
+        let started_at = Instant::now();
+        cfg.validate()?;
+        install_kick_handler()?;
+        let mem_size = cfg.memory_mib << 20;
+        let mem = create_guest_memory(mem_size).map_err(|e| VmmError::Memory(e.to_string()))?;
+        let vm = KvmVm::new()?;
+        if usize::from(cfg.vcpus) > vm.max_vcpus() {
+            return Err(VmmError::Config(format!(
+                "{} vCPUs requested, this KVM allows at most {}",
+                cfg.vcpus,
+                vm.max_vcpus()
+            )));
+        }
+        vm.register_memory(&mem)?;
+
+        let shared = Arc::new(Shared::new()?);
+        let mut devices = DeviceManager::new()?;
+        devices.add_serial(&vm, cfg.serial.into_writer()?)?;
+        let reset_evt = devices.add_i8042()?;
+        devices.add_subscriber(Arc::new(Mutex::new(Control::new(
+            shared.clone(),
+            reset_evt,
+        ))));
+        if let Some(v) = &cfg.vsock {
+            return Err(VmmError::Unsupported(format!(
+                "the vsock device (CID {}, socket {}) is not wired into this VMM yet",
+                v.guest_cid,
+                v.uds_path.display()
+            )));
+        }
+
+        let kernel_err = |e: BootError| VmmError::Kernel {
+            path: cfg.kernel.clone(),
+            reason: e.to_string(),
+        };
+        let cmdline = boot::build_cmdline(&cfg.cmdline, &devices.cmdline_args)
+            .map_err(|e| VmmError::Config(e.to_string()))?;
+        let cmdline_text = cmdline
+            .as_cstring()
+            .map_err(|e| VmmError::Config(format!("kernel command line: {e}")))?
+            .into_string()
+            .unwrap_or_default();
+        let kernel = boot::load_kernel(&mem, &cfg.kernel).map_err(kernel_err)?;
+        let (mode, entry) = match (cfg.boot_protocol, kernel.pvh_entry) {
+            (BootProtocol::Pvh, Some(e)) | (BootProtocol::Auto, Some(e)) => (EntryMode::Pvh32, e),
+            (BootProtocol::Pvh, None) => return Err(kernel_err(BootError::NoPvhEntry)),
+            (BootProtocol::Linux64, _) | (BootProtocol::Auto, None) => {
+                (EntryMode::Long64, kernel.entry)
+            }
+        };
+        let initrd = match &cfg.initrd {
+            Some(path) => Some(boot::load_initrd(&mem, mem_size, kernel.end, path).map_err(
+                |e| VmmError::Initrd {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                },
+            )?),
+            None => None,
+        };
+        let cmdline_len =
+            boot::write_cmdline(&mem, &cmdline).map_err(|e| VmmError::Memory(e.to_string()))?;
+        let boot_info = match mode {
+            EntryMode::Long64 => boot::write_linux_boot_info(&mem, mem_size, cmdline_len, initrd),
+            EntryMode::Pvh32 => boot::write_pvh_boot_info(&mem, mem_size, initrd),
+        }
+        .map_err(|e| VmmError::Memory(e.to_string()))?;
+        mptable::setup_mptable(&mem, cfg.vcpus).map_err(|e| VmmError::Memory(e.to_string()))?;
+        write_page_tables(&mem).map_err(|e| VmmError::Memory(e.to_string()))?;
+
+        let cpuid = vm.supported_cpuid()?;
+        let pio = Arc::new(devices.pio.clone());
+        let mmio = Arc::new(devices.mmio.clone());
+        let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
+        for id in 0..cfg.vcpus {
+            let fd = vm
+                .fd
+                .create_vcpu(u64::from(id))
+                .map_err(VmmError::kvm("KVM_CREATE_VCPU"))?;
+            let vcpu = Vcpu::new(id, fd, pio.clone(), mmio.clone());
+            vcpu.configure_common(&cpuid, cfg.vcpus)?;
+            if id == 0 {
+                vcpu.configure_boot(&mem, mode, entry, boot_info)?;
+            }
+            vcpus.push(vcpu);
+        }
+
+        let mut running = new_running();
+        running.mem = Some(mem);
+        let events = devices.events;
+        let s = shared.clone();
+        match std::thread::Builder::new()
+            .name("vmm-devices".into())
+            .spawn(move || event_loop::run(events, s))
+        {
+            Ok(t) => running.event_thread = Some(t),
+            Err(e) => {
+                return Err(abort(
+                    running,
+                    vm,
+                    &shared,
+                    VmmError::io("spawn the device thread")(e),
+                ))
+            }
+        }
+        for vcpu in vcpus {
+            let s = shared.clone();
+            let name = format!("vmm-vcpu{}", vcpu.id);
+            match std::thread::Builder::new()
+                .name(name)
+                .spawn(move || vcpu.run(s))
+            {
+                Ok(t) => running.vcpu_threads.push(t),
+                Err(e) => {
+                    return Err(abort(
+                        running,
+                        vm,
+                        &shared,
+                        VmmError::io("spawn a vCPU thread")(e),
+                    ))
+                }
+            }
+        }
+        running.vm = Some(vm);
+        let boot_time = started_at.elapsed();
+        log::debug!(
+            "VM started in {boot_time:?}: {} vCPUs, {} MiB, entry {mode:?} at {entry:#x}",
+            cfg.vcpus,
+            cfg.memory_mib
+        );
+        Ok(VmHandle {
+            shared,
+            running: Mutex::new(Some(running)),
+            vsock_uds_path: cfg.vsock.map(|v| v.uds_path),
+            boot_time,
+            started_at,
+            vcpus: cfg.vcpus,
+            memory_mib: cfg.memory_mib,
+            cmdline: cmdline_text,
+            entry: mode,
+        })
+    }
+}
+
+fn abort(mut running: Running, vm: KvmVm, shared: &Shared, err: VmmError) -> VmmError {
+    running.vm = Some(vm);
+    abort_start(running, shared, err)
+}
