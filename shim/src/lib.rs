@@ -5,3 +5,4 @@
 
 pub mod artifacts;
 pub mod host_check;
+pub mod qemu;

@@ -1,0 +1,863 @@
+//! The QEMU backend: boots our guest kernel and initrd under Debian's `qemu-system-x86_64`
+//! (`-M microvm`), with the guest's vsock device served by `vhost-device-vsock` over vhost-user.
+//!
+//! vhost-device-vsock speaks the same hybrid-vsock protocol as our VMM on its host Unix socket
+//! ([`QemuVm::vsock_uds_path`]): connect, write `CONNECT <port>\n`, read `OK <port>\n`; guest
+//! connections to host port P go to `<uds>_<P>`. So the agent is reached exactly as under our VMM.
+//! This is how Linux guests run on hosts whose KVM cannot boot them (kvm-pvm, no KVM): QEMU's
+//! software emulation (TCG). See docs/qemu-backend.md for the command line and timings.
+//!
+//! Start-up order: vhost-device-vsock first (QEMU connects to its vhost-user socket while it
+//! realizes the device, so the socket must exist), then QEMU. [`QemuVm::start`] returns once the
+//! guest has written to its serial console, i.e. the kernel runs. Every child is killed and reaped
+//! and every file this module created is removed on every path: failed start, [`QemuVm::stop`],
+//! and drop. Children are also sent SIGKILL by the kernel if the thread that started them exits
+//! (`PR_SET_PDEATHSIG` is tied to the spawning *thread*): start a VM from a thread that outlives it.
+
+use std::fs::{self, File};
+use std::io;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
+const MAX_SOCKET_PATH: usize = 107;
+/// How often child processes and files are polled while waiting.
+const POLL: Duration = Duration::from_millis(10);
+/// How long vhost-device-vsock may take to create its vhost-user socket.
+const BACKEND_SOCKET_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a child gets to exit after SIGTERM before it gets SIGKILL.
+const TERM_GRACE: Duration = Duration::from_secs(3);
+/// Lines of stderr / console carried in errors.
+const TAIL_LINES: usize = 20;
+/// The kernel's default `CONFIG_HZ` (Kconfig `HZ_250`), used when the kernel's config is not
+/// found beside it.
+const DEFAULT_HZ: u64 = 250;
+
+/// Which accelerator QEMU uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// KVM where it is hardware virtualization (VMX/SVM), TCG otherwise: kvm-pvm cannot boot a
+    /// stock Linux guest (design.md 3b).
+    Auto,
+    /// `-accel kvm -cpu host`.
+    Kvm,
+    /// `-accel tcg`: software emulation, works everywhere.
+    Tcg,
+}
+
+impl Accel {
+    /// Resolves [`Accel::Auto`] for this host.
+    pub fn resolve(self) -> Accel {
+        match self {
+            Accel::Auto => match crate::host_check::kvm_kind().0 {
+                crate::host_check::KvmKind::Hardware => Accel::Kvm,
+                _ => Accel::Tcg,
+            },
+            other => other,
+        }
+    }
+}
+
+/// What to boot and how. [`QemuConfig::new`] fills in the defaults.
+#[derive(Debug, Clone)]
+pub struct QemuConfig {
+    /// Uncompressed ELF `vmlinux` (booted through its PVH note) or a bzImage.
+    pub kernel: PathBuf,
+    /// The initramfs (the agent as `/init`).
+    pub initrd: PathBuf,
+    /// vCPUs, 1..=255.
+    pub vcpus: u32,
+    /// Guest memory in MiB, 16..=1 TiB.
+    pub memory_mib: u32,
+    /// Appended to the kernel command line after ours.
+    pub cmdline_extra: String,
+    /// Default `qemu-system-x86_64` (looked up on PATH).
+    pub qemu_binary: PathBuf,
+    /// The `vhost-device-vsock` binary (scripts/install-vhost-device-vsock.sh prints its path).
+    pub vhost_vsock_binary: PathBuf,
+    /// Where the sockets and logs live; created if missing. One VM per work dir.
+    pub work_dir: PathBuf,
+    /// The guest's vsock CID (default 3).
+    pub guest_cid: u32,
+    /// Default [`Accel::Auto`].
+    pub accel: Accel,
+    /// Where the guest's serial console goes; kept after the VM ends. `None`: a file in the work
+    /// dir, removed with the VM.
+    pub console_log: Option<PathBuf>,
+    /// How long [`QemuVm::start`] waits for the guest's first console output (default 60 s).
+    pub start_timeout: Duration,
+}
+
+impl QemuConfig {
+    /// A config with the defaults: 1 vCPU, 256 MiB, CID 3, [`Accel::Auto`].
+    pub fn new(
+        kernel: impl Into<PathBuf>,
+        initrd: impl Into<PathBuf>,
+        vhost_vsock_binary: impl Into<PathBuf>,
+        work_dir: impl Into<PathBuf>,
+    ) -> Self {
+        QemuConfig {
+            kernel: kernel.into(),
+            initrd: initrd.into(),
+            vcpus: 1,
+            memory_mib: 256,
+            cmdline_extra: String::new(),
+            qemu_binary: PathBuf::from("qemu-system-x86_64"),
+            vhost_vsock_binary: vhost_vsock_binary.into(),
+            work_dir: work_dir.into(),
+            guest_cid: 3,
+            accel: Accel::Auto,
+            console_log: None,
+            start_timeout: Duration::from_secs(60),
+        }
+    }
+
+    fn validate(&self) -> Result<(), QemuError> {
+        if !(1..=255).contains(&self.vcpus) {
+            return Err(QemuError::InvalidConfig(format!(
+                "vcpus must be 1..=255, got {}",
+                self.vcpus
+            )));
+        }
+        if !(16..=1 << 20).contains(&self.memory_mib) {
+            return Err(QemuError::InvalidConfig(format!(
+                "memory_mib must be 16..=1048576, got {}",
+                self.memory_mib
+            )));
+        }
+        // CIDs 0..=2 are reserved (hypervisor, local, host); u32::MAX is VMADDR_CID_ANY.
+        if self.guest_cid < 3 || self.guest_cid == u32::MAX {
+            return Err(QemuError::InvalidConfig(format!(
+                "guest_cid must be >= 3 and not {}, got {}",
+                u32::MAX,
+                self.guest_cid
+            )));
+        }
+        for (what, path) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
+            File::open(path).map_err(|source| QemuError::Unreadable {
+                what,
+                path: path.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Errors of the QEMU backend; each names the binary or file concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum QemuError {
+    #[error("invalid QEMU VM config: {0}")]
+    InvalidConfig(String),
+    #[error("cannot read the {what} {path}: {source}")]
+    Unreadable {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("cannot create {path}: {source}")]
+    CreateFile { path: PathBuf, source: io::Error },
+    #[error("socket path {path} is {len} bytes; a Unix socket path holds at most {MAX_SOCKET_PATH}: use a shorter work dir")]
+    SocketPathTooLong { path: PathBuf, len: usize },
+    #[error("cannot start {binary}: {source}")]
+    Spawn { binary: PathBuf, source: io::Error },
+    #[error("{binary} exited ({status}) before creating its socket {socket}; its stderr ends with:\n{stderr}")]
+    BackendExited {
+        binary: PathBuf,
+        status: ExitStatus,
+        socket: PathBuf,
+        stderr: String,
+    },
+    #[error("{binary} did not create its socket {socket} within {timeout:?}; its stderr ends with:\n{stderr}")]
+    BackendTimeout {
+        binary: PathBuf,
+        socket: PathBuf,
+        timeout: Duration,
+        stderr: String,
+    },
+    #[error("{binary} exited ({status}) before the guest wrote to its console; stderr ends with:\n{stderr}\nconsole ends with:\n{console}")]
+    QemuExitedEarly {
+        binary: PathBuf,
+        status: ExitStatus,
+        stderr: String,
+        console: String,
+    },
+    #[error("{binary}: the guest wrote nothing to its console ({console_log}) within {timeout:?}; stderr ends with:\n{stderr}")]
+    StartTimeout {
+        binary: PathBuf,
+        console_log: PathBuf,
+        timeout: Duration,
+        stderr: String,
+    },
+    #[error("cannot wait for {binary} (pid {pid}): {source}")]
+    Wait {
+        binary: PathBuf,
+        pid: u32,
+        source: io::Error,
+    },
+}
+
+/// The files of one VM in its work dir.
+#[derive(Debug, Clone)]
+struct VmPaths {
+    /// vhost-user control socket between QEMU and vhost-device-vsock.
+    vhost_socket: PathBuf,
+    /// The hybrid-vsock host socket.
+    vsock_uds: PathBuf,
+    qemu_stderr: PathBuf,
+    backend_stderr: PathBuf,
+    console_log: PathBuf,
+    /// Whether `console_log` is ours to remove.
+    console_is_ours: bool,
+    work_dir: PathBuf,
+    /// Whether we created the work dir (then it is removed when empty).
+    work_dir_is_ours: bool,
+}
+
+impl VmPaths {
+    fn new(cfg: &QemuConfig) -> Result<Self, QemuError> {
+        let work_dir_is_ours = !cfg.work_dir.exists();
+        fs::create_dir_all(&cfg.work_dir).map_err(|source| QemuError::CreateFile {
+            path: cfg.work_dir.clone(),
+            source,
+        })?;
+        let console_is_ours = cfg.console_log.is_none();
+        let paths = VmPaths {
+            vhost_socket: cfg.work_dir.join("vhost-user-vsock.sock"),
+            vsock_uds: cfg.work_dir.join("vsock.sock"),
+            qemu_stderr: cfg.work_dir.join("qemu.stderr"),
+            backend_stderr: cfg.work_dir.join("vhost-device-vsock.stderr"),
+            console_log: cfg
+                .console_log
+                .clone()
+                .unwrap_or_else(|| cfg.work_dir.join("console.log")),
+            console_is_ours,
+            work_dir: cfg.work_dir.clone(),
+            work_dir_is_ours,
+        };
+        for sock in [&paths.vhost_socket, &paths.vsock_uds] {
+            let len = sock.as_os_str().len();
+            if len > MAX_SOCKET_PATH {
+                paths.remove_all();
+                return Err(QemuError::SocketPathTooLong {
+                    path: sock.clone(),
+                    len,
+                });
+            }
+        }
+        // Leftovers of a VM that died with its parent: the sockets are re-created below.
+        for stale in [&paths.vhost_socket, &paths.vsock_uds] {
+            let _ = fs::remove_file(stale);
+        }
+        Ok(paths)
+    }
+
+    /// Removes every file we created (the caller's console log excepted).
+    fn remove_all(&self) {
+        let mut files = vec![
+            &self.vhost_socket,
+            &self.vsock_uds,
+            &self.qemu_stderr,
+            &self.backend_stderr,
+        ];
+        if self.console_is_ours {
+            files.push(&self.console_log);
+        }
+        for f in files {
+            let _ = fs::remove_file(f);
+        }
+        if self.work_dir_is_ours {
+            // Only succeeds when empty: files others put there are never removed.
+            let _ = fs::remove_dir(&self.work_dir);
+        }
+    }
+}
+
+/// A running guest under QEMU with its vsock backend. Dropping it kills and reaps both
+/// processes and removes its sockets and logs.
+#[derive(Debug)]
+pub struct QemuVm {
+    qemu: Option<Child>,
+    backend: Option<Child>,
+    qemu_binary: PathBuf,
+    backend_binary: PathBuf,
+    paths: VmPaths,
+    exit_status: Option<ExitStatus>,
+    cmdline: String,
+    qemu_args: Vec<String>,
+}
+
+impl QemuVm {
+    /// Starts vhost-device-vsock, then QEMU, and returns once the guest has written to its
+    /// console. On any error everything started so far is killed, reaped and removed.
+    pub fn start(cfg: QemuConfig) -> Result<QemuVm, QemuError> {
+        cfg.validate()?;
+        let paths = VmPaths::new(&cfg)?;
+        let mut vm = QemuVm {
+            qemu: None,
+            backend: None,
+            qemu_binary: cfg.qemu_binary.clone(),
+            backend_binary: cfg.vhost_vsock_binary.clone(),
+            paths,
+            exit_status: None,
+            cmdline: kernel_cmdline(&cfg),
+            qemu_args: Vec::new(),
+        };
+        // On error `vm` is dropped here, which kills, reaps and removes.
+        vm.start_backend(&cfg)?;
+        vm.start_qemu(&cfg)?;
+        vm.wait_for_console(cfg.start_timeout)?;
+        Ok(vm)
+    }
+
+    fn start_backend(&mut self, cfg: &QemuConfig) -> Result<(), QemuError> {
+        let stderr = create_file(&self.paths.backend_stderr)?;
+        let mut cmd = Command::new(&cfg.vhost_vsock_binary);
+        cmd.arg("--socket")
+            .arg(&self.paths.vhost_socket)
+            .arg("--uds-path")
+            .arg(&self.paths.vsock_uds)
+            .arg("--guest-cid")
+            .arg(cfg.guest_cid.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        self.backend = Some(spawn_tied_to_parent(&mut cmd, &cfg.vhost_vsock_binary)?);
+        let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
+        loop {
+            // It binds the hybrid-vsock socket first, then the vhost-user socket it serves on.
+            if self.paths.vhost_socket.exists() {
+                return Ok(());
+            }
+            if let Some(status) = self.try_wait_backend()? {
+                return Err(QemuError::BackendExited {
+                    binary: self.backend_binary.clone(),
+                    status,
+                    socket: self.paths.vhost_socket.clone(),
+                    stderr: tail_of_file(&self.paths.backend_stderr, TAIL_LINES),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(QemuError::BackendTimeout {
+                    binary: self.backend_binary.clone(),
+                    socket: self.paths.vhost_socket.clone(),
+                    timeout: BACKEND_SOCKET_TIMEOUT,
+                    stderr: tail_of_file(&self.paths.backend_stderr, TAIL_LINES),
+                });
+            }
+            thread::sleep(POLL);
+        }
+    }
+
+    fn start_qemu(&mut self, cfg: &QemuConfig) -> Result<(), QemuError> {
+        // Truncate (or create) the console log so "the guest wrote something" is well defined.
+        create_file(&self.paths.console_log)?;
+        let stderr = create_file(&self.paths.qemu_stderr)?;
+        self.qemu_args = qemu_args(cfg, &self.paths, &self.cmdline);
+        let mut cmd = Command::new(&cfg.qemu_binary);
+        cmd.args(&self.qemu_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        self.qemu = Some(spawn_tied_to_parent(&mut cmd, &cfg.qemu_binary)?);
+        Ok(())
+    }
+
+    fn wait_for_console(&mut self, timeout: Duration) -> Result<(), QemuError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let written = fs::metadata(&self.paths.console_log)
+                .map(|m| m.len() > 0)
+                .unwrap_or(false);
+            if written {
+                return Ok(());
+            }
+            if let Some(status) = self.try_wait_qemu()? {
+                return Err(QemuError::QemuExitedEarly {
+                    binary: self.qemu_binary.clone(),
+                    status,
+                    stderr: tail_of_file(&self.paths.qemu_stderr, TAIL_LINES),
+                    console: tail_of_file(&self.paths.console_log, TAIL_LINES),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(QemuError::StartTimeout {
+                    binary: self.qemu_binary.clone(),
+                    console_log: self.paths.console_log.clone(),
+                    timeout,
+                    stderr: tail_of_file(&self.paths.qemu_stderr, TAIL_LINES),
+                });
+            }
+            thread::sleep(POLL);
+        }
+    }
+
+    /// The hybrid-vsock host socket: connect, write `CONNECT <port>\n`, read `OK <port>\n`.
+    pub fn vsock_uds_path(&self) -> &Path {
+        &self.paths.vsock_uds
+    }
+
+    /// The file the guest's serial console is written to.
+    pub fn console_log_path(&self) -> &Path {
+        &self.paths.console_log
+    }
+
+    /// The last `lines` lines of the guest console.
+    pub fn console_tail(&self, lines: usize) -> String {
+        tail_of_file(&self.paths.console_log, lines)
+    }
+
+    /// The last `lines` lines of QEMU's stderr.
+    pub fn qemu_stderr_tail(&self, lines: usize) -> String {
+        tail_of_file(&self.paths.qemu_stderr, lines)
+    }
+
+    /// The kernel command line given to QEMU (QEMU's microvm adds its virtio-mmio devices).
+    pub fn kernel_cmdline(&self) -> &str {
+        &self.cmdline
+    }
+
+    /// QEMU's arguments, for logs and docs.
+    pub fn qemu_args(&self) -> &[String] {
+        &self.qemu_args
+    }
+
+    /// Pids of QEMU and of vhost-device-vsock while they run (not yet reaped).
+    pub fn pids(&self) -> Vec<u32> {
+        self.qemu
+            .iter()
+            .chain(self.backend.iter())
+            .map(Child::id)
+            .collect()
+    }
+
+    /// Waits up to `timeout` for QEMU to exit by itself (the guest rebooted, powered off or
+    /// QEMU failed). Returns its exit status, or `None` if it still runs. Once QEMU has exited,
+    /// the vsock backend is stopped and every file removed.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>, QemuError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.try_wait_qemu()? {
+                self.stop_backend();
+                self.paths.remove_all();
+                return Ok(Some(status));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            thread::sleep(POLL);
+        }
+    }
+
+    /// Stops the VM: SIGTERM to QEMU, SIGKILL if it has not exited within a few seconds; then
+    /// the same for vhost-device-vsock. Removes the sockets and logs. Returns QEMU's status.
+    pub fn stop(&mut self) -> Result<ExitStatus, QemuError> {
+        let status = match self.qemu.as_mut() {
+            Some(child) => terminate(child, &self.qemu_binary)?,
+            None => self.exit_status.unwrap_or_else(|| ExitStatus::from_raw(0)),
+        };
+        self.qemu = None;
+        self.exit_status = Some(status);
+        self.stop_backend();
+        self.paths.remove_all();
+        Ok(status)
+    }
+
+    /// Polls QEMU; reaps it when it has exited.
+    fn try_wait_qemu(&mut self) -> Result<Option<ExitStatus>, QemuError> {
+        if let Some(status) = self.exit_status {
+            return Ok(Some(status));
+        }
+        let Some(child) = self.qemu.as_mut() else {
+            return Ok(None);
+        };
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                self.exit_status = Some(status);
+                self.qemu = None;
+                Ok(Some(status))
+            }
+            Ok(None) => Ok(None),
+            Err(source) => Err(QemuError::Wait {
+                binary: self.qemu_binary.clone(),
+                pid: child.id(),
+                source,
+            }),
+        }
+    }
+
+    fn try_wait_backend(&mut self) -> Result<Option<ExitStatus>, QemuError> {
+        let Some(child) = self.backend.as_mut() else {
+            return Ok(None);
+        };
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                self.backend = None;
+                Ok(Some(status))
+            }
+            Ok(None) => Ok(None),
+            Err(source) => Err(QemuError::Wait {
+                binary: self.backend_binary.clone(),
+                pid: child.id(),
+                source,
+            }),
+        }
+    }
+
+    /// vhost-device-vsock serves forever (it waits for the next VMM after one disconnects):
+    /// it is always stopped, not waited for.
+    fn stop_backend(&mut self) {
+        if let Some(mut child) = self.backend.take() {
+            if let Err(e) = terminate(&mut child, &self.backend_binary) {
+                log::warn!("{e}");
+            }
+        }
+    }
+}
+
+impl Drop for QemuVm {
+    fn drop(&mut self) {
+        for child in [self.qemu.take(), self.backend.take()]
+            .into_iter()
+            .flatten()
+        {
+            kill_and_reap(child);
+        }
+        self.paths.remove_all();
+    }
+}
+
+/// `console=ttyS0 reboot=t panic=-1 tsc_early_khz=… lpj=…` plus the caller's extra.
+///
+/// `-M microvm` has no timer the kernel can calibrate the TSC against, so the TSC frequency is
+/// given: under TCG and KVM the guest's TSC ticks at the host's TSC rate, measured here once.
+/// `lpj` (loops per jiffy; the delay loop uses the TSC) = TSC Hz / CONFIG_HZ skips the slow
+/// delay-loop calibration. `reboot=t`: a guest reboot triple-faults, and `-no-reboot` makes QEMU
+/// exit. `panic=-1`: a panic reboots at once, so QEMU exits instead of hanging.
+fn kernel_cmdline(cfg: &QemuConfig) -> String {
+    let tsc_khz = host_tsc_khz();
+    let hz = kernel_hz(&cfg.kernel).unwrap_or(DEFAULT_HZ);
+    let lpj = tsc_khz.saturating_mul(1000) / hz.max(1);
+    let mut cmdline = format!("console=ttyS0 reboot=t panic=-1 tsc_early_khz={tsc_khz} lpj={lpj}");
+    let extra = cfg.cmdline_extra.trim();
+    if !extra.is_empty() {
+        cmdline.push(' ');
+        cmdline.push_str(extra);
+    }
+    cmdline
+}
+
+fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec<String> {
+    let mem = format!("{}M", cfg.memory_mib);
+    let mut args: Vec<String> = Vec::new();
+    let mut push = |a: &[&str]| args.extend(a.iter().map(|s| s.to_string()));
+    // acpi=off: our kernel has no ACPI; QEMU then puts the virtio-mmio devices on the kernel
+    // command line (auto-kernel-cmdline) and its firmware (qboot) writes an MP table listing
+    // every vCPU. The guest RAM is a shared memfd so vhost-device-vsock can map it.
+    push(&[
+        "-M",
+        "microvm,acpi=off,memory-backend=mem",
+        "-nodefaults",
+        "-no-user-config",
+        "-nographic",
+        "-no-reboot",
+    ]);
+    match cfg.accel.resolve() {
+        Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
+        _ => push(&["-accel", "tcg"]),
+    }
+    let smp = cfg.vcpus.to_string();
+    let memfd = format!("memory-backend-memfd,id=mem,size={mem},share=on");
+    let chardev = format!(
+        "socket,id=vsock,path={}",
+        qemu_opt_escape(&paths.vhost_socket)
+    );
+    let serial = format!("file:{}", paths.console_log.display());
+    let kernel = cfg.kernel.display().to_string();
+    let initrd = cfg.initrd.display().to_string();
+    push(&[
+        "-m",
+        &mem,
+        "-smp",
+        &smp,
+        "-object",
+        &memfd,
+        "-chardev",
+        &chardev,
+        "-device",
+        "vhost-user-vsock-device,chardev=vsock",
+        "-serial",
+        &serial,
+        "-kernel",
+        &kernel,
+        "-initrd",
+        &initrd,
+        "-append",
+        cmdline,
+    ]);
+    args
+}
+
+/// QEMU option values escape a comma by doubling it.
+fn qemu_opt_escape(path: &Path) -> String {
+    path.display().to_string().replace(',', ",,")
+}
+
+/// The host's TSC frequency in kHz, measured once per process against CLOCK_MONOTONIC_RAW.
+pub fn host_tsc_khz() -> u64 {
+    static TSC_KHZ: OnceLock<u64> = OnceLock::new();
+    *TSC_KHZ.get_or_init(measure_tsc_khz)
+}
+
+fn measure_tsc_khz() -> u64 {
+    // Three 20 ms windows; the largest estimate is the one least disturbed by preemption
+    // between reading the clock and the TSC (a preemption there shortens the TSC delta).
+    (0..3)
+        .map(|_| {
+            let (t0, c0) = clock_and_tsc();
+            thread::sleep(Duration::from_millis(20));
+            let (t1, c1) = clock_and_tsc();
+            let ns = t1.saturating_sub(t0).max(1);
+            // cycles * 10^6 / ns = kHz
+            (u128::from(c1.wrapping_sub(c0)) * 1_000_000 / u128::from(ns)) as u64
+        })
+        .max()
+        .unwrap_or(1_000_000)
+}
+
+fn clock_and_tsc() -> (u64, u64) {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only into the timespec we own; CLOCK_MONOTONIC_RAW exists
+    // on every Linux since 2.6.28.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_RAW, &mut ts) };
+    // SAFETY: rdtsc has no memory effects and exists on every x86_64 CPU.
+    let tsc = unsafe { core::arch::x86_64::_rdtsc() };
+    let ns = (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64);
+    (ns, tsc)
+}
+
+/// `CONFIG_HZ` from the kernel config kept beside the kernel (`config`, as kernel-config/build.sh
+/// stores it; build/vmlinux is a link into that cache folder).
+fn kernel_hz(kernel: &Path) -> Option<u64> {
+    let real = fs::canonicalize(kernel).ok()?;
+    let config = fs::read_to_string(real.parent()?.join("config")).ok()?;
+    config
+        .lines()
+        .find_map(|l| l.strip_prefix("CONFIG_HZ="))
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|hz: &u64| *hz > 0)
+}
+
+fn create_file(path: &Path) -> Result<File, QemuError> {
+    File::create(path).map_err(|source| QemuError::CreateFile {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Spawns `cmd` so that the kernel sends it SIGKILL when the spawning thread exits.
+fn spawn_tied_to_parent(cmd: &mut Command, binary: &Path) -> Result<Child, QemuError> {
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
+    // functions (prctl, getppid, _exit); it touches no locks or allocations.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent may have died between fork and prctl: then no signal would come.
+            if libc::getppid() as u32 != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn().map_err(|source| QemuError::Spawn {
+        binary: binary.to_path_buf(),
+        source,
+    })
+}
+
+/// SIGTERM, a bounded wait, then SIGKILL; always reaps.
+fn terminate(child: &mut Child, binary: &Path) -> Result<ExitStatus, QemuError> {
+    let pid = child.id();
+    let wait_err = |source| QemuError::Wait {
+        binary: binary.to_path_buf(),
+        pid,
+        source,
+    };
+    if let Some(status) = child.try_wait().map_err(wait_err)? {
+        return Ok(status);
+    }
+    signal(child, libc::SIGTERM);
+    let deadline = Instant::now() + TERM_GRACE;
+    while Instant::now() < deadline {
+        if let Some(status) = child.try_wait().map_err(wait_err)? {
+            return Ok(status);
+        }
+        thread::sleep(POLL);
+    }
+    let _ = child.kill();
+    child.wait().map_err(wait_err)
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    let Ok(pid) = libc::pid_t::try_from(child.id()) else {
+        return;
+    };
+    // SAFETY: `child` has not been reaped (we hold it and only reap through it), so `pid` is
+    // still our child, not a recycled pid.
+    unsafe { libc::kill(pid, sig) };
+}
+
+fn kill_and_reap(mut child: Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The last `lines` lines of a (small) log file; empty if unreadable.
+fn tail_of_file(path: &Path, lines: usize) -> String {
+    let Ok(bytes) = fs::read(path) else {
+        return String::new();
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg_in(dir: &Path) -> QemuConfig {
+        let kernel = dir.join("k");
+        let initrd = dir.join("i");
+        fs::write(&kernel, b"x").unwrap();
+        fs::write(&initrd, b"x").unwrap();
+        QemuConfig::new(
+            kernel,
+            initrd,
+            "/nonexistent/vhost-device-vsock",
+            dir.join("w"),
+        )
+    }
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("qemu-unit-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn rejects_bad_sizes_and_cid() {
+        let d = temp_dir("sizes");
+        for (vcpus, mem, cid) in [(0, 256, 3), (256, 256, 3), (1, 0, 3), (1, 256, 2)] {
+            let mut c = cfg_in(&d);
+            c.vcpus = vcpus;
+            c.memory_mib = mem;
+            c.guest_cid = cid;
+            let err = QemuVm::start(c).unwrap_err();
+            assert!(matches!(err, QemuError::InvalidConfig(_)), "{err}");
+        }
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn missing_kernel_is_named() {
+        let d = temp_dir("missing");
+        let mut c = cfg_in(&d);
+        c.kernel = d.join("no-such-vmlinux");
+        let err = QemuVm::start(c).unwrap_err().to_string();
+        assert!(
+            err.contains("kernel") && err.contains("no-such-vmlinux"),
+            "{err}"
+        );
+        assert!(!d.join("w").exists(), "work dir created before validation");
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn missing_backend_binary_fails_and_cleans_up() {
+        let d = temp_dir("nobackend");
+        let err = QemuVm::start(cfg_in(&d)).unwrap_err();
+        assert!(matches!(err, QemuError::Spawn { .. }), "{err}");
+        assert!(err.to_string().contains("/nonexistent/vhost-device-vsock"));
+        assert!(!d.join("w").exists(), "work dir left behind");
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn backend_that_exits_is_reported_with_its_stderr() {
+        let d = temp_dir("exits");
+        let script = d.join("fake-backend");
+        fs::write(&script, "#!/bin/sh\necho 'backend says no' >&2\nexit 3\n").unwrap();
+        fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let mut c = cfg_in(&d);
+        c.vhost_vsock_binary = script;
+        let err = QemuVm::start(c).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, QemuError::BackendExited { .. }), "{msg}");
+        assert!(msg.contains("backend says no"), "{msg}");
+        assert!(!d.join("w").exists(), "work dir left behind");
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn long_socket_path_is_refused() {
+        let d = temp_dir("long");
+        let mut c = cfg_in(&d);
+        c.work_dir = d.join("x".repeat(120));
+        let err = QemuVm::start(c).unwrap_err();
+        assert!(matches!(err, QemuError::SocketPathTooLong { .. }), "{err}");
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn cmdline_has_timing_and_extra() {
+        let d = temp_dir("cmdline");
+        let mut c = cfg_in(&d);
+        c.cmdline_extra = " quiet ".into();
+        let line = kernel_cmdline(&c);
+        assert!(line.starts_with("console=ttyS0 reboot=t panic=-1 tsc_early_khz="));
+        assert!(line.ends_with(" quiet"), "{line}");
+        let khz = host_tsc_khz();
+        assert!(
+            (100_000..20_000_000).contains(&khz),
+            "implausible TSC {khz} kHz"
+        );
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn reads_hz_beside_the_kernel() {
+        let d = temp_dir("hz");
+        fs::write(d.join("vmlinux"), b"x").unwrap();
+        fs::write(d.join("config"), "CONFIG_X=y\nCONFIG_HZ=100\n").unwrap();
+        assert_eq!(kernel_hz(&d.join("vmlinux")), Some(100));
+        fs::remove_file(d.join("config")).unwrap();
+        assert_eq!(kernel_hz(&d.join("vmlinux")), None);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn commas_in_paths_are_escaped() {
+        assert_eq!(qemu_opt_escape(Path::new("/a,b/s")), "/a,,b/s");
+    }
+}
