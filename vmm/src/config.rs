@@ -176,6 +176,7 @@ fn host_memory_mib() -> Option<u64> {
     if unsafe { libc::sysinfo(&mut info) } != 0 {
         return None;
     }
+    #[allow(clippy::useless_conversion)] // totalram is u32 on 32-bit targets
     let bytes = u64::from(info.totalram).checked_mul(u64::from(info.mem_unit))?;
     Some(bytes >> 20)
 }

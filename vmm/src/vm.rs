@@ -1,10 +1,16 @@
 //! Building and starting a VM, step by step:
-//! 1. check the config; 2. guest memory and the KVM VM (irqchip, PIT, memory slots);
-//! 3. devices (serial, i8042, virtio) and the command line; 4. kernel, initrd, boot information,
-//! MP table, page tables; 5. vCPUs; 6. the device event-loop thread, then one thread per vCPU.
+//!
+//! 1. check the config;
+//! 2. guest memory and the KVM VM (irqchip, PIT, memory slots);
+//! 3. devices (serial, i8042, virtio) and the command line;
+//! 4. kernel, initrd, boot information, MP table, page tables;
+//! 5. vCPUs;
+//! 6. the device event-loop thread, then one thread per vCPU.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+use vmm_devices::virtio::vsock::Vsock;
 
 use crate::boot::{self, BootError};
 use crate::config::{BootProtocol, VmConfig};
@@ -47,11 +53,9 @@ impl Vm {
             reset_evt,
         ))));
         if let Some(v) = &cfg.vsock {
-            return Err(VmmError::Unsupported(format!(
-                "the vsock device (CID {}, socket {}) is not wired into this VMM yet",
-                v.guest_cid,
-                v.uds_path.display()
-            )));
+            let dev = Vsock::new(u64::from(v.guest_cid), &v.uds_path)
+                .map_err(|e| VmmError::Device(format!("vsock on {}: {e}", v.uds_path.display())))?;
+            devices.attach_virtio_device(&vm, &mem, Arc::new(Mutex::new(dev)))?;
         }
 
         let kernel_err = |e: BootError| VmmError::Kernel {

@@ -14,10 +14,14 @@ fn triple_fault_is_a_guest_fault() {
     let err = run(cfg, &cap).unwrap_err();
     assert!(t.elapsed() < PROMPT, "took {:?}", t.elapsed());
     let out = cap.text();
+    eprintln!("triple-fault ended with: {err}");
     assert!(result_line(&out).is_none(), "the guest survived: {out}");
     match &err {
         VmmError::GuestFault { vcpu: 0, reason } => {
-            assert!(reason.contains("triple fault") && reason.contains("KVM_EXIT_SHUTDOWN"), "{reason}")
+            assert!(
+                reason.contains("triple fault") && reason.contains("KVM_EXIT_SHUTDOWN"),
+                "{reason}"
+            )
         }
         other => panic!("expected a triple-fault GuestFault, got {other:?}; console:\n{out}"),
     }
@@ -33,6 +37,7 @@ fn unemulatable_instruction_is_an_internal_error() {
     let r = run(cfg, &cap);
     assert!(t.elapsed() < PROMPT, "took {:?}", t.elapsed());
     let out = cap.text();
+    eprintln!("emul-fail ended with: {r:?}");
     match r {
         Err(VmmError::GuestFault { vcpu: 0, reason }) => {
             assert!(reason.contains("KVM_EXIT_INTERNAL_ERROR"), "{reason}");

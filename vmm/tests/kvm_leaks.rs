@@ -19,7 +19,12 @@ fn twenty_boots_leak_nothing() {
     let threads = count_dir("/proc/self/task");
     for i in 0..20 {
         let (cfg, cap) = config("hello", 2, 64);
-        assert_eq!(run(cfg, &cap).unwrap(), VmExit::Reset, "boot {i}: {}", cap.text());
+        assert_eq!(
+            run(cfg, &cap).unwrap(),
+            VmExit::Reset,
+            "boot {i}: {}",
+            cap.text()
+        );
     }
     assert_eq!(count_dir("/proc/self/fd"), fds, "fds leaked");
     assert_eq!(count_dir("/proc/self/task"), threads, "threads leaked");

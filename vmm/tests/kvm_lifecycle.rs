@@ -9,7 +9,11 @@ use vmm::{Vm, VmConfig, VmExit, VmmError};
 fn wait_for_output(cap: &Capture, needle: &str) {
     let deadline = Instant::now() + GUEST_TIMEOUT;
     while !cap.text().contains(needle) {
-        assert!(Instant::now() < deadline, "no {needle:?} on the console: {}", cap.text());
+        assert!(
+            Instant::now() < deadline,
+            "no {needle:?} on the console: {}",
+            cap.text()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -23,11 +27,20 @@ fn stop_of_a_halted_guest_is_prompt() {
         let h = Vm::start(cfg).unwrap();
         wait_for_output(&cap, "halting forever");
         std::thread::sleep(Duration::from_millis(50));
-        assert!(h.wait_timeout(Duration::from_millis(10)).is_none(), "idle must not end alone");
+        assert!(
+            h.wait_timeout(Duration::from_millis(10)).is_none(),
+            "idle must not end alone"
+        );
         let t = Instant::now();
         h.stop();
-        let r = h.wait_timeout(Duration::from_secs(10)).expect("stop ends the VM");
-        assert!(t.elapsed() < Duration::from_secs(1), "stop took {:?}", t.elapsed());
+        let r = h
+            .wait_timeout(Duration::from_secs(10))
+            .expect("stop ends the VM");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "stop took {:?}",
+            t.elapsed()
+        );
         assert_eq!(r.unwrap(), VmExit::Stopped);
         assert!(matches!(h.wait(), Err(VmmError::AlreadyWaited)));
     }
@@ -41,12 +54,18 @@ fn drop_stops_the_vm() {
     wait_for_output(&cap, "halting forever");
     let t = Instant::now();
     drop(h);
-    assert!(t.elapsed() < Duration::from_secs(1), "drop took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "drop took {:?}",
+        t.elapsed()
+    );
 }
 
 #[test]
 fn bad_input_gives_clear_errors() {
-    let e = Vm::start(VmConfig::new("/nonexistent/kernel.elf")).err().unwrap();
+    let e = Vm::start(VmConfig::new("/nonexistent/kernel.elf"))
+        .err()
+        .unwrap();
     assert!(matches!(e, VmmError::Kernel { .. }), "{e:?}");
     assert!(e.to_string().contains("/nonexistent/kernel.elf"), "{e}");
 
@@ -59,21 +78,35 @@ fn bad_input_gives_clear_errors() {
 
     let (mut cfg, _) = config("hello", 1, 64);
     cfg.vcpus = 0;
-    assert!(Vm::start(cfg).err().unwrap().to_string().contains("at least 1 vCPU"));
+    assert!(Vm::start(cfg)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("at least 1 vCPU"));
     let (mut cfg, _) = config("hello", 1, 0);
     cfg.memory_mib = 0;
     assert!(Vm::start(cfg).err().unwrap().to_string().contains("0 MiB"));
     let (cfg, _) = config("hello", 1, 1 << 40);
-    assert!(Vm::start(cfg).err().unwrap().to_string().contains("exceeds"));
+    assert!(Vm::start(cfg)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("exceeds"));
 
     let (mut cfg, _) = config("hello", 1, 64);
     cfg.initrd = Some("/nonexistent/initrd".into());
     let e = Vm::start(cfg).err().unwrap();
-    assert!(matches!(e, VmmError::Initrd { .. }) && e.to_string().contains("/nonexistent/initrd"), "{e}");
+    assert!(
+        matches!(e, VmmError::Initrd { .. }) && e.to_string().contains("/nonexistent/initrd"),
+        "{e}"
+    );
 
     // An initrd larger than the guest's memory.
     let big = std::env::temp_dir().join(format!("vmm-big-initrd-{}", std::process::id()));
-    std::fs::File::create(&big).unwrap().set_len(8 << 20).unwrap();
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
     let (mut cfg, _) = config("hello", 1, 4);
     cfg.initrd = Some(big.clone());
     let e = Vm::start(cfg).err().unwrap();
@@ -93,7 +126,9 @@ fn hello_with_an_initrd() {
     let r = run(cfg, &cap);
     let _ = std::fs::remove_file(&initrd);
     assert_eq!(r.unwrap(), VmExit::Reset);
-    assert!(result_line(&cap.text()).unwrap().starts_with("RESULT: PASS"));
+    assert!(result_line(&cap.text())
+        .unwrap()
+        .starts_with("RESULT: PASS"));
 }
 
 #[test]
@@ -107,7 +142,12 @@ fn four_vms_at_once() {
     for (h, cap) in handles {
         let r = h.wait_timeout(GUEST_TIMEOUT).expect("guest finished");
         assert_eq!(r.unwrap(), VmExit::Reset, "{}", cap.text());
-        assert!(result_line(&cap.text()).unwrap().starts_with("RESULT: PASS"), "{}", cap.text());
+        assert!(
+            result_line(&cap.text())
+                .unwrap()
+                .starts_with("RESULT: PASS"),
+            "{}",
+            cap.text()
+        );
     }
 }
-

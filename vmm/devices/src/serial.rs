@@ -125,7 +125,7 @@ mod tests {
     fn thr_empty_interrupt_signals_the_eventfd() {
         let (mut dev, _out) = device();
         dev.write(1, &[0x02]); // IER: THR empty interrupt
-        dev.write(0, &[b'x']);
+        dev.write(0, b"x");
         assert!(dev.irq_eventfd().read().unwrap() >= 1);
     }
 
