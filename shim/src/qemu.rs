@@ -37,6 +37,24 @@ const TAIL_LINES: usize = 20;
 /// found beside it.
 const DEFAULT_HZ: u64 = 250;
 
+/// The vhost-device-vsock version scripts/install-vhost-device-vsock.sh installs.
+pub const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
+
+/// Where scripts/install-vhost-device-vsock.sh puts the binary: `MICROVM_VHOST_VSOCK` if set,
+/// else `${MICROVM_CACHE:-/var/cache/microvm}/vhost-device-vsock-0.3.0/bin/vhost-device-vsock`.
+pub fn default_vhost_vsock_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("MICROVM_VHOST_VSOCK").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var_os("MICROVM_CACHE")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/microvm"));
+    cache
+        .join(format!("vhost-device-vsock-{VHOST_DEVICE_VSOCK_VERSION}"))
+        .join("bin/vhost-device-vsock")
+}
+
 /// Which accelerator QEMU uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {
@@ -256,6 +274,13 @@ impl VmPaths {
         Ok(paths)
     }
 
+    /// Removes the sockets (once the VM has ended nobody can use them).
+    fn remove_sockets(&self) {
+        for f in [&self.vhost_socket, &self.vsock_uds] {
+            let _ = fs::remove_file(f);
+        }
+    }
+
     /// Removes every file we created (the caller's console log excepted).
     fn remove_all(&self) {
         let mut files = vec![
@@ -278,7 +303,7 @@ impl VmPaths {
 }
 
 /// A running guest under QEMU with its vsock backend. Dropping it kills and reaps both
-/// processes and removes its sockets and logs.
+/// processes and removes its sockets and logs (a caller-named console log excepted).
 #[derive(Debug)]
 pub struct QemuVm {
     qemu: Option<Child>,
@@ -437,13 +462,13 @@ impl QemuVm {
 
     /// Waits up to `timeout` for QEMU to exit by itself (the guest rebooted, powered off or
     /// QEMU failed). Returns its exit status, or `None` if it still runs. Once QEMU has exited,
-    /// the vsock backend is stopped and every file removed.
+    /// the vsock backend is stopped and the sockets removed; the logs stay until drop.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>, QemuError> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.try_wait_qemu()? {
                 self.stop_backend();
-                self.paths.remove_all();
+                self.paths.remove_sockets();
                 return Ok(Some(status));
             }
             if Instant::now() >= deadline {
@@ -454,7 +479,8 @@ impl QemuVm {
     }
 
     /// Stops the VM: SIGTERM to QEMU, SIGKILL if it has not exited within a few seconds; then
-    /// the same for vhost-device-vsock. Removes the sockets and logs. Returns QEMU's status.
+    /// the same for vhost-device-vsock. Removes the sockets (the logs stay until drop). Returns
+    /// QEMU's status.
     pub fn stop(&mut self) -> Result<ExitStatus, QemuError> {
         let status = match self.qemu.as_mut() {
             Some(child) => terminate(child, &self.qemu_binary)?,
@@ -463,7 +489,7 @@ impl QemuVm {
         self.qemu = None;
         self.exit_status = Some(status);
         self.stop_backend();
-        self.paths.remove_all();
+        self.paths.remove_sockets();
         Ok(status)
     }
 
