@@ -71,7 +71,7 @@ int virtio_mmio_find(const char *cmdline, u32 device_id, struct virtio_mmio_dev 
 			return -1;
 		}
 		if (size < 0x200 || base < 0x100000000ull - 0x40000000ull ||
-		    base >= 0x100000000ull || (base & 0xfff)) {
+		    base >= 0x100000000ull || (base & 0x1ff)) {
 			sb_reset(err);
 			sb_str(err, "virtio_mmio.device= outside the 3-4 GiB MMIO gap: base ");
 			sb_hex(err, base);

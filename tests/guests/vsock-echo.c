@@ -183,7 +183,8 @@ struct echo {
 	int connected;
 	int peer_done;        /* SHUTDOWN(SEND) or RST from the host */
 	int peer_reset;
-	int credit_requested;
+	int credit_requested; /* we asked the host for credit */
+	int credit_asked;     /* the host asked us for a CREDIT_UPDATE */
 	u32 head;             /* bytes received = ring head (stream offset) */
 	u32 sent;             /* bytes handed to tx */
 	u32 tail;             /* bytes whose tx completed: ring tail, our fwd_cnt */
@@ -245,7 +246,7 @@ static void echo_rx(const struct config *cfg, struct echo *e, const struct vsock
 		break;
 	}
 	case VSOCK_OP_CREDIT_REQUEST:
-		e->c.adv_fwd_cnt = e->c.fwd_cnt - 1; /* forces a CREDIT_UPDATE */
+		e->credit_asked = 1;
 		break;
 	case VSOCK_OP_SHUTDOWN:
 		if (h->flags & VSOCK_SHUTDOWN_SEND)
@@ -301,8 +302,11 @@ static int echo_tx(struct echo *e)
 	/* Tell the host about freed space it has not heard of: when a quarter of the ring is
 	 * free again, or when everything is echoed (no echo packet will carry the news). */
 	u32 unadvertised = e->c.fwd_cnt - e->c.adv_fwd_cnt;
-	if (unadvertised && (unadvertised >= ECHO_RING_SIZE / 4 || e->tail == e->head))
-		vsock_send(&vsock, &e->c, VSOCK_OP_CREDIT_UPDATE, 0, 0, 0, 0);
+	if (e->credit_asked ||
+	    (unadvertised && (unadvertised >= ECHO_RING_SIZE / 4 || e->tail == e->head))) {
+		if (vsock_send(&vsock, &e->c, VSOCK_OP_CREDIT_UPDATE, 0, 0, 0, 0))
+			e->credit_asked = 0;
+	}
 	return progress;
 }
 
@@ -496,7 +500,7 @@ static u32 phase_guest_initiated(const struct config *cfg)
 	struct vsock_rx_pkt p;
 	u32 total = (u32)cfg->guest_bytes;
 	u32 sent = 0, recv = 0, send_pos = 0, recv_pos = 0;
-	int credit_requested = 0, r;
+	int credit_requested = 0, credit_asked = 0, r;
 
 	pattern_init();
 	connect_host(cfg, &c);
@@ -540,7 +544,7 @@ static u32 phase_guest_initiated(const struct config *cfg)
 					recv_pos -= PATTERN_PERIOD;
 				c.fwd_cnt += p.len;
 			} else if (h->op == VSOCK_OP_CREDIT_REQUEST) {
-				c.adv_fwd_cnt = c.fwd_cnt - 1;
+				credit_asked = 1;
 			} else if (h->op == VSOCK_OP_SHUTDOWN || h->op == VSOCK_OP_RST) {
 				sb_reset(&msg);
 				sb_str(&msg, "host sent ");
@@ -580,8 +584,10 @@ static u32 phase_guest_initiated(const struct config *cfg)
 				send_pos -= PATTERN_PERIOD;
 			progress = 1;
 		}
-		if (c.fwd_cnt - c.adv_fwd_cnt >= ECHO_RING_SIZE / 2)
-			vsock_send(&vsock, &c, VSOCK_OP_CREDIT_UPDATE, 0, 0, 0, 0);
+		if (credit_asked || c.fwd_cnt - c.adv_fwd_cnt >= ECHO_RING_SIZE / 2) {
+			if (vsock_send(&vsock, &c, VSOCK_OP_CREDIT_UPDATE, 0, 0, 0, 0))
+				credit_asked = 0;
+		}
 
 		if (progress) {
 			deadline_start_ms(&dl, IDLE_WAIT_MS);
