@@ -103,3 +103,6 @@ pub enum VsockError {
     #[error("creating the backend's {0}: {1}")]
     Sys(&'static str, #[source] std::io::Error),
 }
+
+#[cfg(test)]
+mod tests;

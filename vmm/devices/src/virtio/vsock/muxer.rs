@@ -833,6 +833,11 @@ impl VsockMuxer {
                 data.truncate(n);
                 // n <= MAX_PKT_DATA.
                 conn.rx_cnt += Wrapping(n as u32);
+                if conn.peer_credit() == 0 && !conn.credit_requested {
+                    // Stalled from now on: ask once, in case the guest does not volunteer.
+                    conn.credit_requested = true;
+                    conn.pending |= pending::CREDIT_REQUEST;
+                }
                 let hdr = conn.header(guest_cid, op::RW);
                 conn.last_fwd_cnt_sent = conn.fwd_cnt;
                 conn.pending &= !pending::CREDIT_UPDATE;
