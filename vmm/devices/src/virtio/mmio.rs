@@ -158,12 +158,12 @@ impl MmioTransport {
     /// (FEATURES_OK set, DRIVER_OK and FAILED clear).
     fn update_queue(&mut self, f: impl FnOnce(&mut Queue)) {
         if !self.has_status(status::FEATURES_OK, status::DRIVER_OK | status::FAILED) {
-            log::warn!("virtio-mmio: queue configured in status {:#x}", self.status);
+            log::debug!("virtio-mmio: queue configured in status {:#x}", self.status);
             return;
         }
         match self.queues.get_mut(self.queue_sel as usize) {
             Some(q) => f(q),
-            None => log::warn!("virtio-mmio: queue {} does not exist", self.queue_sel),
+            None => log::debug!("virtio-mmio: queue {} does not exist", self.queue_sel),
         }
     }
 
@@ -221,7 +221,7 @@ impl MmioTransport {
             reg::DRIVER_FEATURES_SEL => self.driver_features_sel = v,
             reg::DRIVER_FEATURES => {
                 if !self.has_status(status::DRIVER, status::FEATURES_OK | status::FAILED) {
-                    log::warn!("virtio-mmio: features written in status {:#x}", self.status);
+                    log::debug!("virtio-mmio: features written in status {:#x}", self.status);
                     return;
                 }
                 match self.driver_features_sel {
@@ -239,7 +239,7 @@ impl MmioTransport {
             reg::QUEUE_SEL => self.queue_sel = v,
             reg::QUEUE_NUM => match u16::try_from(v) {
                 Ok(size) => self.update_queue(|q| q.set_size(size)),
-                Err(_) => log::warn!("virtio-mmio: queue size {v} too large"),
+                Err(_) => log::debug!("virtio-mmio: queue size {v} too large"),
             },
             reg::QUEUE_READY => self.update_queue(|q| q.set_ready(v == 1)),
             reg::QUEUE_DESC_LOW => self.update_queue(|q| q.set_desc_table_address(Some(v), None)),
@@ -277,7 +277,7 @@ impl MmioTransport {
                     log::error!("virtio-mmio: signalling queue {index}: {e}");
                 }
             }
-            None => log::warn!("virtio-mmio: notify of unknown queue {index}"),
+            None => log::debug!("virtio-mmio: notify of unknown queue {index}"),
         }
     }
 
@@ -294,7 +294,7 @@ impl MmioTransport {
         }
         // The driver may only add bits; clearing any (other than by a reset) is invalid.
         if v & self.status != self.status {
-            log::warn!(
+            log::debug!(
                 "virtio-mmio: status {v:#x} clears bits of {:#x}",
                 self.status
             );
@@ -328,7 +328,7 @@ impl MmioTransport {
                     }
                 }
             }
-            _ => log::warn!(
+            _ => log::debug!(
                 "virtio-mmio: invalid status transition {:#x} -> {v:#x}",
                 self.status
             ),
@@ -368,7 +368,7 @@ impl BusDevice for MmioTransport {
             return;
         }
         if data.len() != 4 || !offset.is_multiple_of(4) {
-            log::warn!(
+            log::debug!(
                 "virtio-mmio: {}-byte read at {offset:#x} refused",
                 data.len()
             );
@@ -388,14 +388,14 @@ impl BusDevice for MmioTransport {
             return;
         }
         let Ok(bytes) = <[u8; 4]>::try_from(data) else {
-            log::warn!(
+            log::debug!(
                 "virtio-mmio: {}-byte write at {offset:#x} refused",
                 data.len()
             );
             return;
         };
         if !offset.is_multiple_of(4) {
-            log::warn!("virtio-mmio: misaligned write at {offset:#x} refused");
+            log::debug!("virtio-mmio: misaligned write at {offset:#x} refused");
             return;
         }
         self.write_reg(offset, u32::from_le_bytes(bytes));

@@ -75,7 +75,8 @@ pub const CONN_BUF_ALLOC: u32 = 256 * 1024;
 /// CREDIT_UPDATE without being asked.
 pub const CREDIT_UPDATE_THRESHOLD: u32 = CONN_BUF_ALLOC / 4;
 /// Default maximum number of connections (both directions, including handshakes in progress).
-pub const MAX_CONNECTIONS: usize = 256;
+/// With [`CONN_BUF_ALLOC`] this bounds what a guest can make the host buffer to 32 MiB.
+pub const MAX_CONNECTIONS: usize = 128;
 /// How long the guest has to answer a host-initiated REQUEST.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest `CONNECT <port>\n` line accepted from the host.

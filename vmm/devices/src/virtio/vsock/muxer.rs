@@ -238,6 +238,11 @@ impl VsockMuxer {
             .map_err(|e| undo(VsockError::Sys("listener", e)))?;
         let epoll = Epoll::new().map_err(|e| undo(VsockError::Sys("epoll", e)))?;
         let timer = TimerFd::new().map_err(|e| undo(VsockError::Sys("timer", e.into())))?;
+        // A read of an unexpired timer (re-armed after it fired) must not block the event loop.
+        // SAFETY: fcntl on a descriptor we own, no pointers involved; the result is checked.
+        if unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } < 0 {
+            return Err(undo(VsockError::Sys("timer", io::Error::last_os_error())));
+        }
         for (fd, token) in [
             (listener.as_raw_fd(), TOKEN_LISTENER),
             (timer.as_raw_fd(), TOKEN_TIMER),
@@ -424,8 +429,10 @@ impl VsockMuxer {
 
     /// Kills host-initiated connections the guest did not answer in time.
     fn expire_requests(&mut self) {
-        if let Err(e) = self.timer.wait() {
-            log::warn!("vsock: timer: {e}");
+        match self.timer.wait() {
+            Ok(_) => {}
+            Err(e) if e.errno() == libc::EAGAIN => {}
+            Err(e) => log::warn!("vsock: timer: {e}"),
         }
         let now = Instant::now();
         let expired: Vec<u64> = self
@@ -641,13 +648,39 @@ impl VsockMuxer {
                 }
                 let buffered = conn.tx_buf.len() + data.len();
                 if buffered > CONN_BUF_ALLOC as usize + OK_LINE_ROOM {
-                    log::warn!(
+                    log::debug!(
                         "vsock: guest exceeded its credit on port {}",
                         conn.local_port
                     );
                     return Outcome::Kill(true);
                 }
-                conn.tx_buf.extend(data);
+                let mut rest = &data[..];
+                if conn.tx_buf.is_empty() {
+                    // The common case: the stream takes it all, nothing is buffered.
+                    while !rest.is_empty() {
+                        match conn.stream.write(rest) {
+                            Ok(0) => return Outcome::Kill(true),
+                            Ok(n) => {
+                                rest = &rest[n..];
+                                // n <= MAX_PKT_DATA.
+                                conn.fwd_cnt += Wrapping(n as u32);
+                            }
+                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                            Err(e) => {
+                                log::debug!("vsock: writing to the host stream: {e}");
+                                return Outcome::Kill(true);
+                            }
+                        }
+                    }
+                }
+                let buffered = conn.tx_buf.len() + rest.len();
+                if conn.tx_buf.capacity() < buffered {
+                    // Allocate the whole bounded buffer once, not a doubling of it.
+                    let full = CONN_BUF_ALLOC as usize + OK_LINE_ROOM;
+                    conn.tx_buf.reserve_exact(full - conn.tx_buf.len());
+                }
+                conn.tx_buf.extend(rest);
                 self.flush(token)
             }
             (State::Established | State::Closing, op::CREDIT_UPDATE) => Outcome::Keep,
@@ -684,7 +717,7 @@ impl VsockMuxer {
 
     fn guest_connect(&mut self, h: &VsockHeader) {
         if self.conns.len() >= self.max_connections {
-            log::warn!(
+            log::debug!(
                 "vsock: connection limit reached, refusing guest port {}",
                 h.src_port
             );
