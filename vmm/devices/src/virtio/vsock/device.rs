@@ -13,7 +13,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::muxer::VsockMuxer;
 use super::packet::{read_tx_packet, RxBuffer};
-use super::{VsockError, EVENT_QUEUE, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
+use super::{VsockError, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
 use crate::virtio::{
     device_type, ActivateError, IrqTrigger, VirtioDevice, INT_VRING, VIRTIO_F_VERSION_1,
 };
@@ -306,7 +306,6 @@ impl VirtioDevice for Vsock {
         });
         // Packets may be waiting from before the driver was up (host connections).
         self.kick(RX_QUEUE);
-        let _ = EVENT_QUEUE;
         Ok(())
     }
 
