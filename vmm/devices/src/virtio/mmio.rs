@@ -634,4 +634,44 @@ mod tests {
         assert_ne!(t.status() & status::DEVICE_NEEDS_RESET, 0);
         assert_eq!(activations.load(Ordering::SeqCst), 0);
     }
+
+    #[test]
+    fn random_register_traffic_never_panics() {
+        let (mut t, dev, _) = setup();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..200_000 {
+            let r = next();
+            let offset = match r % 4 {
+                0 => r >> 8 & 0xfc,
+                1 => r >> 8 & 0x1ff,
+                2 => reg::STATUS,
+                _ => r >> 8,
+            };
+            let len = [1usize, 2, 4, 8, 3][(r >> 40) as usize % 5];
+            if r & 1 == 0 {
+                let mut b = vec![0u8; len];
+                t.read(offset, &mut b);
+            } else {
+                let v = if offset == reg::STATUS {
+                    (next() % 16) as u32
+                } else {
+                    next() as u32
+                };
+                let b = v.to_le_bytes();
+                let mut data = b.to_vec();
+                data.resize(len, 0);
+                t.write(offset, &data);
+            }
+            // The device is only ever active while the driver says DRIVER_OK.
+            if lock(&dev).activated {
+                assert_ne!(t.status() & status::DRIVER_OK, 0);
+            }
+        }
+    }
 }
