@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds the statically linked guest agent and packs it as /init into an uncompressed newc cpio
+# initramfs at build/initrd.cpio (repo-relative), with the empty mount points the agent needs and
+# the /dev/console and /dev/null nodes (so: run as root).
+# Reproducible: fixed mtimes (epoch 0), owner 0:0, sorted entries, renumbered inodes.
+# Prints the initrd's path. Honours CARGO_TARGET_DIR.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+triple=x86_64-unknown-linux-gnu
+target_dir=${CARGO_TARGET_DIR:-$repo/target}
+out_dir=$repo/build
+out=$out_dir/initrd.cpio
+
+# --target keeps build scripts dynamic while the agent itself is linked statically (glibc).
+(cd "$repo" && RUSTFLAGS='-C target-feature=+crt-static -C strip=symbols' \
+  cargo build --release --locked -p guest-agent --target "$triple" >&2)
+agent=$target_dir/$triple/release/microvm-agent
+[[ -x $agent ]] || { echo "build-initrd: no agent binary at $agent" >&2; exit 1; }
+if command -v readelf >/dev/null && readelf -l "$agent" | grep -q INTERP; then
+  echo "build-initrd: $agent is dynamically linked" >&2
+  exit 1
+fi
+
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -m 0755 "$stage"/{proc,sys,dev,run,etc}
+mkdir -m 1777 "$stage"/tmp
+# The kernel opens /dev/console of the initramfs as fds 0-2 of /init; without it /init starts with
+# them closed, and Rust's runtime aborts when it cannot reopen them on /dev/null. Device nodes need
+# root (CAP_MKNOD); devtmpfs later mounts over /dev.
+if ! mknod -m 0600 "$stage"/dev/console c 5 1 || ! mknod -m 0666 "$stage"/dev/null c 1 3; then
+  echo "build-initrd: creating /dev/console and /dev/null needs root" >&2
+  exit 1
+fi
+install -m 0755 "$agent" "$stage"/init
+find "$stage" -exec touch -h -d @0 {} +
+
+mkdir -p "$out_dir"
+(cd "$stage" && find . -mindepth 1 -printf '%P\n' | LC_ALL=C sort |
+  cpio --create --format=newc --owner=0:0 --reproducible --quiet) >"$out.tmp"
+mv "$out.tmp" "$out"
+echo "$out"

@@ -1,0 +1,145 @@
+//! The ttrpc server: the [`AgentService`] on a listening socket, served by ttrpc's own threads.
+//! In the guest the address is `vsock://-1:1024` (any CID, [`AGENT_VSOCK_PORT`]); tests and
+//! debug runs on a host use `unix:///path`.
+
+use std::sync::Arc;
+
+use agent_protocol::agent_ttrpc::create_agent;
+use agent_protocol::AGENT_VSOCK_PORT;
+
+use crate::service::AgentService;
+
+/// The guest's listening address (ttrpc syntax; -1 is VMADDR_CID_ANY).
+pub fn default_address() -> String {
+    format!("vsock://-1:{AGENT_VSOCK_PORT}")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("binding {address}: {source}")]
+    Bind {
+        address: String,
+        source: ttrpc::Error,
+    },
+    #[error("starting the ttrpc server on {address}: {source}")]
+    Start {
+        address: String,
+        source: ttrpc::Error,
+    },
+}
+
+/// Binds `address` and starts serving; returns once the socket listens.
+pub fn start(address: &str, service: AgentService) -> Result<ttrpc::Server, ServerError> {
+    let mut server = ttrpc::Server::new()
+        .bind(address)
+        .map_err(|source| ServerError::Bind {
+            address: address.to_owned(),
+            source,
+        })?
+        .register_service(create_agent(Arc::new(service)));
+    server.start().map_err(|source| ServerError::Start {
+        address: address.to_owned(),
+        source,
+    })?;
+    Ok(server)
+}
+
+/// The console's ready line for a listening address.
+pub fn ready_line(address: &str) -> String {
+    match address
+        .strip_prefix("vsock://")
+        .and_then(|a| a.rsplit_once(':'))
+    {
+        Some((_, port)) => format!("microvm-agent: ready (vsock port {port})"),
+        None => format!("microvm-agent: ready ({address})"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use agent_protocol::agent::{CheckRequest, ShutdownRequest};
+    use agent_protocol::agent_ttrpc::AgentClient;
+
+    use super::*;
+    use crate::service::ShutdownRequested;
+
+    fn ctx() -> ttrpc::context::Context {
+        ttrpc::context::with_duration(Duration::from_secs(10))
+    }
+
+    #[test]
+    fn ready_line_names_the_vsock_port() {
+        assert_eq!(
+            ready_line(&default_address()),
+            "microvm-agent: ready (vsock port 1024)"
+        );
+        assert_eq!(
+            ready_line("unix:///tmp/a.sock"),
+            "microvm-agent: ready (unix:///tmp/a.sock)"
+        );
+    }
+
+    #[test]
+    fn serves_check_and_shutdown_over_a_unix_socket() {
+        let dir = std::env::temp_dir().join(format!("agent-server-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("agent.sock");
+        let _ = std::fs::remove_file(&path);
+        let address = format!("unix://{}", path.display());
+        let (tx, rx) = mpsc::channel();
+        let server = start(&address, AgentService::new(tx)).expect("server starts");
+
+        let client = AgentClient::new(ttrpc::Client::connect(&address).expect("connect"));
+        let resp = client.check(ctx(), &CheckRequest::new()).expect("check");
+        let facts = crate::check::gather().expect("gather");
+        assert_eq!(resp.agent_version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(resp.kernel_release, facts.kernel_release);
+        assert_eq!(resp.online_vcpus, facts.online_vcpus);
+        assert_eq!(resp.mem_total_kib, facts.mem_total_kib);
+        assert_eq!(resp.boot_id, facts.boot_id);
+
+        assert!(rx.try_recv().is_err(), "no shutdown before it is asked for");
+        client
+            .shutdown(ctx(), &ShutdownRequest::new())
+            .expect("shutdown replies");
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(5)),
+            Ok(ShutdownRequested)
+        );
+
+        // With the main thread gone (receiver dropped), Shutdown fails instead of panicking.
+        drop(rx);
+        let err = client
+            .shutdown(ctx(), &ShutdownRequest::new())
+            .expect_err("no one to stop");
+        assert!(
+            matches!(err, ttrpc::Error::RpcStatus(ref s) if s.code() == ttrpc::Code::UNAVAILABLE),
+            "{err:?}"
+        );
+
+        drop(client);
+        server.shutdown();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn binds_vsock_when_the_kernel_has_it() {
+        // This host may or may not have AF_VSOCK; where it has, binding a free port must work.
+        // SAFETY: plain socket(2) probe; the fd is closed right away.
+        let probe = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM, 0) };
+        if probe < 0 {
+            eprintln!("skipped: no AF_VSOCK on this host");
+            return;
+        }
+        // SAFETY: `probe` is our open fd.
+        unsafe { libc::close(probe) };
+        let port = 40_000 + std::process::id() % 20_000;
+        let (tx, _rx) = mpsc::channel();
+        let server = start(&format!("vsock://-1:{port}"), AgentService::new(tx))
+            .expect("bind vsock with VMADDR_CID_ANY");
+        server.shutdown();
+    }
+}
