@@ -144,11 +144,23 @@ mod tests {
     fn rejects_overlaps_and_bad_ranges() {
         let mut bus = Bus::new();
         bus.insert(dev(), 0x1000, 16).unwrap();
-        assert!(matches!(bus.insert(dev(), 0x100f, 4), Err(BusError::Overlap { .. })));
-        assert!(matches!(bus.insert(dev(), 0xff8, 9), Err(BusError::Overlap { .. })));
+        assert!(matches!(
+            bus.insert(dev(), 0x100f, 4),
+            Err(BusError::Overlap { .. })
+        ));
+        assert!(matches!(
+            bus.insert(dev(), 0xff8, 9),
+            Err(BusError::Overlap { .. })
+        ));
         bus.insert(dev(), 0xff8, 8).unwrap();
         bus.insert(dev(), 0x1010, 8).unwrap();
-        assert_eq!(bus.insert(dev(), 0, 0), Err(BusError::EmptyRange { base: 0 }));
-        assert!(matches!(bus.insert(dev(), u64::MAX, 2), Err(BusError::Overflow { .. })));
+        assert_eq!(
+            bus.insert(dev(), 0, 0),
+            Err(BusError::EmptyRange { base: 0 })
+        );
+        assert!(matches!(
+            bus.insert(dev(), u64::MAX, 2),
+            Err(BusError::Overflow { .. })
+        ));
     }
 }
