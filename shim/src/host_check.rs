@@ -124,7 +124,10 @@ impl HostReport {
                 let names: Vec<&str> = REQUIRED_CAPS.iter().map(|(_, n)| *n).collect();
                 out.push(format!("capabilities: all present ({})", names.join(", ")));
             } else {
-                out.push(format!("capabilities: missing {}", self.missing_caps.join(", ")));
+                out.push(format!(
+                    "capabilities: missing {}",
+                    self.missing_caps.join(", ")
+                ));
             }
         }
         out.push(format!(
@@ -139,7 +142,11 @@ impl HostReport {
             Some(k) => out.push(format!(
                 "guest kernel {}: {} ({})",
                 k.path.display(),
-                if k.bootable { "can boot here" } else { "cannot boot here" },
+                if k.bootable {
+                    "can boot here"
+                } else {
+                    "cannot boot here"
+                },
                 k.reason
             )),
             None => out.push("guest kernel: not checked (none given)".to_string()),
@@ -156,12 +163,19 @@ impl HostReport {
 
 /// Tells which KVM this is from sysfs and the CPU flags.
 pub fn kvm_kind() -> (KvmKind, String) {
-    kvm_kind_from(Path::new("/sys/module"), Path::new("/proc/cpuinfo"), Path::new("/dev/kvm"))
+    kvm_kind_from(
+        Path::new("/sys/module"),
+        Path::new("/proc/cpuinfo"),
+        Path::new("/dev/kvm"),
+    )
 }
 
 fn kvm_kind_from(sys_module: &Path, cpuinfo: &Path, dev_kvm: &Path) -> (KvmKind, String) {
     if !dev_kvm.exists() {
-        return (KvmKind::None, format!("{} does not exist", dev_kvm.display()));
+        return (
+            KvmKind::None,
+            format!("{} does not exist", dev_kvm.display()),
+        );
     }
     if sys_module.join("kvm_pvm").exists() {
         return (
@@ -176,9 +190,15 @@ fn kvm_kind_from(sys_module: &Path, cpuinfo: &Path, dev_kvm: &Path) -> (KvmKind,
             .filter(|l| l.starts_with("flags"))
             .any(|l| l.split_whitespace().any(|w| w == f))
     };
-    for (module, flag, vendor) in [("kvm_intel", "vmx", "Intel VMX"), ("kvm_amd", "svm", "AMD SVM")] {
+    for (module, flag, vendor) in [
+        ("kvm_intel", "vmx", "Intel VMX"),
+        ("kvm_amd", "svm", "AMD SVM"),
+    ] {
         if sys_module.join(module).exists() && has_flag(flag) {
-            return (KvmKind::Hardware, format!("{module} is loaded, CPU has {vendor}"));
+            return (
+                KvmKind::Hardware,
+                format!("{module} is loaded, CPU has {vendor}"),
+            );
         }
     }
     (
@@ -231,7 +251,11 @@ pub fn check_kernel(kind: KvmKind, kernel: &Path) -> KernelReport {
         reason,
     };
     if let Err(e) = fs::File::open(kernel) {
-        return report(None, false, format!("cannot open {}: {e}", kernel.display()));
+        return report(
+            None,
+            false,
+            format!("cannot open {}: {e}", kernel.display()),
+        );
     }
     let pvm = match kernel_has_pvm_guest(kernel) {
         Ok(p) => p,

@@ -39,7 +39,9 @@ fn repo_root() -> PathBuf {
 
 /// Spawns `cmd`, times its first stdout byte and its exit, and reads its peak RSS.
 fn measure(mut cmd: Command, what: &str, timeout: Duration) -> Result<Sample> {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdin(Stdio::null());
     let start = Instant::now();
     let mut child = cmd.spawn().with_context(|| format!("spawning {what}"))?;
     let mut stdout = child.stdout.take().context("no stdout pipe")?;
@@ -86,7 +88,9 @@ fn measure(mut cmd: Command, what: &str, timeout: Duration) -> Result<Sample> {
         }
         std::thread::sleep(Duration::from_micros(200));
     };
-    let (first, console) = reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))?;
+    let (first, console) = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))?;
     let mut err = String::new();
     if let Some(mut e) = child.stderr.take() {
         let _ = e.read_to_string(&mut err);
@@ -131,7 +135,10 @@ fn main() -> Result<()> {
     let microvm = root.join("target/release/microvm");
     let qemu = "qemu-system-x86_64";
     let memory_mib = 128;
-    for (p, what) in [(&guest, "test guest (make guests)"), (&microvm, "microvm (make build)")] {
+    for (p, what) in [
+        (&guest, "test guest (make guests)"),
+        (&microvm, "microvm (make build)"),
+    ] {
         if !p.exists() {
             bail!("{} is missing: build the {what}", p.display());
         }
@@ -191,7 +198,10 @@ fn main() -> Result<()> {
     let mib = |v: &[Sample]| median(v.iter().map(|s| s.maxrss_kib as f64 / 1024.0).collect());
     let line = |name: &str, unit: &str, o: f64, q: f64| {
         if qemu_ok {
-            println!("{name} ours={o:.1}{unit} qemu={q:.1}{unit} ratio={:.2}", o / q);
+            println!(
+                "{name} ours={o:.1}{unit} qemu={q:.1}{unit} ratio={:.2}",
+                o / q
+            );
         } else {
             println!("{name} ours={o:.1}{unit} qemu=n/a ratio=n/a");
         }
