@@ -95,6 +95,8 @@ struct Run<'a> {
     host_bytes: Option<usize>,
     /// Whether to serve the guest-initiated phase.
     serve_guest: bool,
+    vcpus: u8,
+    memory_mib: u64,
 }
 
 fn run(r: Run<'_>) -> Outcome {
@@ -104,6 +106,8 @@ fn run(r: Run<'_>) -> Outcome {
     let mut cfg = VmConfig::new(guest_elf());
     cfg.cmdline = r.cmdline;
     cfg.boot_protocol = r.boot;
+    cfg.vcpus = r.vcpus;
+    cfg.memory_mib = r.memory_mib;
     cfg.serial = SerialSink::Writer(Box::new(console.clone()));
     cfg.vsock = Some(VsockConfig {
         guest_cid: 3,
@@ -145,12 +149,25 @@ fn run(r: Run<'_>) -> Outcome {
 }
 
 fn assert_echo_passes(name: &str, boot: BootProtocol, host_bytes: usize, guest_bytes: usize) {
+    assert_echo_passes_on(name, boot, host_bytes, guest_bytes, 1, 128);
+}
+
+fn assert_echo_passes_on(
+    name: &str,
+    boot: BootProtocol,
+    host_bytes: usize,
+    guest_bytes: usize,
+    vcpus: u8,
+    memory_mib: u64,
+) {
     let out = run(Run {
         name,
         cmdline: format!("vsock_echo.bytes={guest_bytes} vsock_echo.host_bytes={host_bytes}"),
         boot,
         host_bytes: Some(host_bytes),
         serve_guest: true,
+        vcpus,
+        memory_mib,
     });
     assert_eq!(
         out.result_line(),
@@ -194,6 +211,11 @@ fn echo_a_megabyte_each_way() {
 }
 
 #[test]
+fn echo_with_four_vcpus_and_512_mib() {
+    assert_echo_passes_on("smp", BootProtocol::Auto, 100_000, 100_000, 4, 512);
+}
+
+#[test]
 fn four_echo_vms_at_once() {
     let vms: Vec<_> = (0..4)
         .map(|i| {
@@ -218,6 +240,8 @@ fn guest_reports_a_refused_connection() {
         boot: BootProtocol::Auto,
         host_bytes: None,
         serve_guest: false,
+        vcpus: 1,
+        memory_mib: 64,
     });
     let line = out.result_line();
     assert!(
@@ -237,6 +261,8 @@ fn guest_reports_a_short_host_stream() {
         boot: BootProtocol::Auto,
         host_bytes: Some(1000),
         serve_guest: false,
+        vcpus: 1,
+        memory_mib: 64,
     });
     let line = out.result_line();
     assert_eq!(
