@@ -3,6 +3,7 @@
 //! Modules: [`host_check`] (what this host can run), [`artifacts`] (where the built guest kernel,
 //! initrd and test guests are found).
 
+pub mod agent_client;
 pub mod artifacts;
 pub mod host_check;
 pub mod qemu;
