@@ -211,6 +211,19 @@ pub enum QemuError {
         timeout: Duration,
         stderr: String,
     },
+    #[error("{binary} exited ({status}) while waiting for {needle:?} on the console; console ends with:\n{console}")]
+    ExitedWhileWaiting {
+        binary: PathBuf,
+        status: ExitStatus,
+        needle: String,
+        console: String,
+    },
+    #[error("{needle:?} did not appear on the guest console within {timeout:?}; console ends with:\n{console}")]
+    ConsoleTimeout {
+        needle: String,
+        timeout: Duration,
+        console: String,
+    },
     #[error("cannot wait for {binary} (pid {pid}): {source}")]
     Wait {
         binary: PathBuf,
@@ -335,7 +348,7 @@ impl QemuVm {
         // On error `vm` is dropped here, which kills, reaps and removes.
         vm.start_backend(&cfg)?;
         vm.start_qemu(&cfg)?;
-        vm.wait_for_console(cfg.start_timeout)?;
+        vm.wait_for_first_output(cfg.start_timeout)?;
         Ok(vm)
     }
 
@@ -392,7 +405,7 @@ impl QemuVm {
         Ok(())
     }
 
-    fn wait_for_console(&mut self, timeout: Duration) -> Result<(), QemuError> {
+    fn wait_for_first_output(&mut self, timeout: Duration) -> Result<(), QemuError> {
         let deadline = Instant::now() + timeout;
         loop {
             let written = fs::metadata(&self.paths.console_log)
@@ -418,6 +431,40 @@ impl QemuVm {
                 });
             }
             thread::sleep(POLL);
+        }
+    }
+
+    /// Waits until `needle` appears on the guest console (e.g. the agent's ready line), QEMU
+    /// exits, or `timeout` passes.
+    ///
+    /// Connecting to the agent only once it listens avoids a hang of vhost-device-vsock 0.3.0:
+    /// hybrid-vsock connections refused by a still-booting guest (retried in a loop) can leave
+    /// its event thread gone, after which it never reads another `CONNECT` (docs/qemu-backend.md).
+    pub fn wait_for_console(&mut self, needle: &str, timeout: Duration) -> Result<(), QemuError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let found = fs::read(&self.paths.console_log)
+                .map(|b| String::from_utf8_lossy(&b).contains(needle))
+                .unwrap_or(false);
+            if found {
+                return Ok(());
+            }
+            if let Some(status) = self.try_wait_qemu()? {
+                return Err(QemuError::ExitedWhileWaiting {
+                    binary: self.qemu_binary.clone(),
+                    status,
+                    needle: needle.to_string(),
+                    console: tail_of_file(&self.paths.console_log, TAIL_LINES),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(QemuError::ConsoleTimeout {
+                    needle: needle.to_string(),
+                    timeout,
+                    console: tail_of_file(&self.paths.console_log, TAIL_LINES),
+                });
+            }
+            thread::sleep(Duration::from_millis(20));
         }
     }
 
