@@ -1,3 +1,6 @@
-//! Test support.
+//! Test support shared by the integration tests.
+//!
+//! The host side of the vsock-echo test guest lives in the shim crate (the `microvm` tool's
+//! `run-test-guest` uses it too); it is re-exported here under its old name.
 
-pub mod vsock_peer;
+pub use shim::test_guest_peer as vsock_peer;

@@ -1,0 +1,95 @@
+//! Our Linux guest (kernel-config/ kernel, initrd with the agent as PID 1) under the EMBEDDED VMM
+//! on /dev/kvm.
+//!
+//! These need a host whose KVM can boot a Linux guest (hardware VMX/SVM, or kvm-pvm with a PVM
+//! guest kernel). `make test` runs them only where `microvm check-host` says so; elsewhere it
+//! prints check-host's reason and counts them as skipped. They are `#[ignore]`d so that a plain
+//! `cargo test` on such a host does not report them as passed; run them with `--include-ignored`.
+//! Each test also re-checks the host itself and fails (never passes) if it cannot boot the guest.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use shim::agent_client::AgentClient;
+use shim::guest_vm::{new_work_dir, Backend, GuestSpec, GuestVm};
+use shim::{artifacts, host_check};
+
+fn kernel_release(kernel: &std::path::Path) -> String {
+    let real = std::fs::canonicalize(kernel).expect("the kernel path resolves");
+    let file = real.with_file_name("release");
+    std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("{}: {e} (make kernel writes it)", file.display()))
+        .trim()
+        .to_string()
+}
+
+fn artifacts_or_fail() -> (PathBuf, PathBuf) {
+    let kernel = artifacts::default_kernel();
+    let initrd = artifacts::default_initrd();
+    assert!(
+        kernel.exists(),
+        "{} is missing: run `make kernel`",
+        kernel.display()
+    );
+    assert!(
+        initrd.exists(),
+        "{} is missing: run `make initrd`",
+        initrd.display()
+    );
+    let report = host_check::probe(Some(&kernel));
+    if let Some(why) = report.linux_guest_blocker() {
+        panic!("this host cannot boot a Linux guest under the embedded VMM: {why}");
+    }
+    (kernel, initrd)
+}
+
+fn boot_and_check(vcpus: u8, memory_mib: u64) {
+    let (kernel, initrd) = artifacts_or_fail();
+    let spec = GuestSpec {
+        kernel: kernel.clone(),
+        initrd,
+        vcpus,
+        memory_mib,
+        work_dir: new_work_dir("kvm-linux-test"),
+    };
+    let mut vm = GuestVm::start(Backend::Kvm, &spec).expect("the embedded VMM starts the guest");
+    vm.wait_agent_ready(Duration::from_secs(60))
+        .expect("the agent comes up");
+    let client = AgentClient::connect(
+        vm.agent_socket(),
+        agent_protocol::AGENT_VSOCK_PORT,
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| panic!("agent unreachable: {e}\nconsole:\n{}", vm.console_tail(30)));
+    let check = client.check().expect("Check answers");
+    assert_eq!(check.online_vcpus, u32::from(vcpus));
+    assert_eq!(check.kernel_release, kernel_release(&kernel));
+    let mem_mib = check.mem_total_kib / 1024;
+    assert!(
+        mem_mib <= memory_mib && mem_mib + 64 >= memory_mib,
+        "MemTotal {mem_mib} MiB for a {memory_mib} MiB guest"
+    );
+    client.shutdown().expect("Shutdown answers");
+    drop(client);
+    assert!(
+        vm.wait_timeout(Duration::from_secs(30))
+            .expect("clean exit"),
+        "the VM did not end after Shutdown; console:\n{}",
+        vm.console_tail(30)
+    );
+    let work_dir = spec.work_dir.clone();
+    drop(vm);
+    assert!(!work_dir.exists(), "the VM's work folder was left behind");
+}
+
+#[test]
+#[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
+fn linux_guest_boots_on_embedded_vmm_1_vcpu() {
+    boot_and_check(1, 256);
+}
+
+#[test]
+#[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
+fn linux_guest_boots_on_embedded_vmm_2_vcpus() {
+    boot_and_check(2, 512);
+}
