@@ -13,9 +13,12 @@ echo "== lint"
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets -- -D warnings
 
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+
 echo "== tests"
 # Integration tests boot VMs; two at a time is what two cores carry without timeouts.
-cargo test --release --workspace -- --test-threads=2
+cargo test --release --workspace -- --test-threads=2 2>&1 | tee -a "$results"
 
 echo "== linux guest under the embedded vmm"
 set +e
@@ -24,11 +27,12 @@ status=$?
 set -e
 echo "$verdict"
 if [ $status -eq 0 ]; then
-  cargo test --release -p microvm-tests --test kvm_linux_guest -- --include-ignored --test-threads=1
+  cargo test --release -p microvm-tests --test kvm_linux_guest -- --include-ignored --test-threads=1 2>&1 | tee -a "$results"
+  skipped=0
 elif [ $status -eq 2 ]; then
   reason=$(echo "$verdict" | sed -n 's/^verdict: //p')
-  n=$(grep -c '#\[ignore' tests/tests/kvm_linux_guest.rs || true)
-  echo "SKIPPED: $n linux-guest-under-kvm tests: $reason"
+  skipped=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
+  echo "SKIPPED: $skipped linux-guest-under-kvm tests: $reason"
 else
   echo "check-host failed (exit $status)" >&2
   exit 1
@@ -42,3 +46,9 @@ if [ -n "$left" ]; then
   exit 1
 fi
 echo "no VM processes left behind"
+
+# One closing line over every cargo test binary. Ignored tests are the linux-guest-under-kvm
+# ones: on a host that cannot boot them they are counted as skipped, never as passed.
+passed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) passed.*/\1/p' "$results" | paste -sd+ | bc)
+failed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) failed.*/\1/p' "$results" | paste -sd+ | bc)
+echo "tests: ${passed:-0} passed, ${failed:-0} failed, ${skipped} skipped"

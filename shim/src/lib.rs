@@ -7,6 +7,7 @@
 
 pub mod agent_client;
 pub mod artifacts;
+pub mod config;
 pub mod guest_vm;
 pub mod host_check;
 pub mod qemu;

@@ -1,0 +1,320 @@
+//! The shim's configuration: one typed struct with defaults in code, overridden by a small TOML
+//! file (`ConfigPath` in the runtime options, else `/etc/microvm/config.toml`). Unknown keys are
+//! errors, so a typo fails the pod with a message instead of being silently ignored.
+//!
+//! Also here: how a pod's VM is sized from the annotations containerd puts on the sandbox
+//! (design.md 3): vCPUs from `io.kubernetes.cri.sandbox-cpu-quota` / `-cpu-period`, memory from
+//! `io.kubernetes.cri.sandbox-memory` plus the guest's own base; the config defaults where the pod
+//! sets no limits.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Where the config is read from when the runtime options name none.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/microvm/config.toml";
+
+/// Annotation: the pod's summed CPU quota (microseconds per period).
+pub const ANN_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
+/// Annotation: the CPU period the quota is measured in (microseconds).
+pub const ANN_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
+/// Annotation: the pod's summed memory limit in bytes.
+pub const ANN_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
+
+/// Which VM backend runs the pods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Hypervisor {
+    /// The embedded VMM on /dev/kvm (the default).
+    #[default]
+    Kvm,
+    /// Debian's QEMU `-M microvm` with vhost-device-vsock (TCG where KVM cannot boot the guest).
+    Qemu,
+}
+
+/// The shim's configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The VM backend.
+    pub hypervisor: Hypervisor,
+    /// The guest kernel (uncompressed vmlinux).
+    pub kernel: PathBuf,
+    /// The initramfs with the agent as /init.
+    pub initrd: PathBuf,
+    /// vCPUs of a pod that sets no CPU limit.
+    pub default_vcpus: u8,
+    /// The most vCPUs a pod's VM gets, whatever its limit says.
+    pub max_vcpus: u8,
+    /// Guest memory (MiB) of a pod that sets no memory limit.
+    pub default_memory_mib: u64,
+    /// What the guest kernel and agent need on top of the pod's memory limit (MiB).
+    pub guest_base_memory_mib: u64,
+    /// The most guest memory (MiB) a pod's VM gets.
+    pub max_memory_mib: u64,
+    /// The shim's log level (error, warn, info, debug, trace).
+    pub log_level: String,
+    /// Pod annotations (of those containerd passes through `pod_annotations`) that may change
+    /// the VM, e.g. `microvm.io/vcpus`. Anything not listed is ignored.
+    pub annotation_allow_list: Vec<String>,
+    /// QEMU backend settings.
+    pub qemu: QemuSettings,
+}
+
+/// Settings of the QEMU backend.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QemuSettings {
+    /// The QEMU binary.
+    pub binary: PathBuf,
+    /// The vhost-device-vsock binary.
+    pub vhost_vsock_binary: PathBuf,
+}
+
+impl Default for QemuSettings {
+    fn default() -> Self {
+        QemuSettings {
+            binary: PathBuf::from("qemu-system-x86_64"),
+            vhost_vsock_binary: crate::qemu::default_vhost_vsock_binary(),
+        }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            hypervisor: Hypervisor::Kvm,
+            kernel: PathBuf::from("/usr/share/microvm/vmlinux"),
+            initrd: PathBuf::from("/usr/share/microvm/initrd.cpio"),
+            default_vcpus: 1,
+            max_vcpus: 16,
+            default_memory_mib: 256,
+            guest_base_memory_mib: 128,
+            max_memory_mib: 64 * 1024,
+            log_level: "info".to_string(),
+            annotation_allow_list: Vec::new(),
+            qemu: QemuSettings::default(),
+        }
+    }
+}
+
+/// Why the config could not be used. Each names the file and the cause: this is the message
+/// a user reads in the failed pod's events.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("microvm config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this config (unknown key, wrong type, ...).
+    #[error("microvm config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    /// A value is out of range or a named file is missing.
+    #[error("microvm config {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Reads `path` (TOML) over the defaults and checks the result. A missing file at the
+    /// default location means "all defaults"; a missing file that was named is an error.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let (path, named) = match path {
+            Some(p) => (p.to_path_buf(), true),
+            None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !named => String::new(),
+            Err(source) => return Err(ConfigError::Read { path, source }),
+        };
+        let cfg = Config::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.clone(),
+            message,
+        })?;
+        cfg.validate()
+            .map_err(|message| ConfigError::Invalid { path, message })?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML text over the defaults (no file checks).
+    pub fn parse(text: &str) -> Result<Config, String> {
+        toml::from_str(text).map_err(|e| e.message().to_string())
+    }
+
+    /// Checks ranges and that the kernel and initrd exist.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.default_vcpus == 0 || self.max_vcpus == 0 {
+            return Err("default_vcpus and max_vcpus must be at least 1".to_string());
+        }
+        if self.default_vcpus > self.max_vcpus {
+            return Err(format!(
+                "default_vcpus ({}) is larger than max_vcpus ({})",
+                self.default_vcpus, self.max_vcpus
+            ));
+        }
+        if self.default_memory_mib < 64 || self.default_memory_mib > self.max_memory_mib {
+            return Err(format!(
+                "default_memory_mib must be between 64 and max_memory_mib ({}), got {}",
+                self.max_memory_mib, self.default_memory_mib
+            ));
+        }
+        if !matches!(
+            self.log_level.as_str(),
+            "error" | "warn" | "info" | "debug" | "trace"
+        ) {
+            return Err(format!("log_level {:?} is not a log level", self.log_level));
+        }
+        for (what, p) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
+            if let Err(e) = std::fs::metadata(p) {
+                return Err(format!("{what} {}: {e}", p.display()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The size of a pod's VM from its sandbox annotations.
+    pub fn vm_size(&self, annotations: &HashMap<String, String>) -> Result<VmSize, String> {
+        let num = |key: &str| -> Result<Option<i64>, String> {
+            annotations
+                .get(key)
+                .map(|v| {
+                    v.trim()
+                        .parse::<i64>()
+                        .map_err(|_| format!("annotation {key}={v:?} is not a number"))
+                })
+                .transpose()
+        };
+        let vcpus = match (num(ANN_CPU_QUOTA)?, num(ANN_CPU_PERIOD)?) {
+            (Some(quota), Some(period)) if quota > 0 && period > 0 => {
+                // ceil(quota / period): a pod limited to 1.5 CPUs gets 2 vCPUs.
+                let n = quota.saturating_add(period - 1) / period;
+                u8::try_from(n.min(i64::from(self.max_vcpus))).unwrap_or(self.max_vcpus)
+            }
+            _ => self.default_vcpus,
+        };
+        let memory_mib = match num(ANN_MEMORY)? {
+            Some(bytes) if bytes > 0 => {
+                let mib = (bytes as u64).div_ceil(1 << 20);
+                mib.saturating_add(self.guest_base_memory_mib)
+                    .min(self.max_memory_mib)
+            }
+            _ => self.default_memory_mib,
+        };
+        Ok(VmSize { vcpus, memory_mib })
+    }
+}
+
+/// How big a pod's VM is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmSize {
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest memory in MiB.
+    pub memory_mib: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        let c = Config::parse("").unwrap();
+        assert_eq!(c, Config::default());
+        let c = Config::parse(
+            "hypervisor = \"qemu\"\ndefault_vcpus = 2\n[qemu]\nbinary = \"/opt/qemu\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.hypervisor, Hypervisor::Qemu);
+        assert_eq!(c.default_vcpus, 2);
+        assert_eq!(c.qemu.binary, PathBuf::from("/opt/qemu"));
+        assert_eq!(c.default_memory_mib, 256);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_types_are_errors() {
+        let e = Config::parse("kernal = \"/x\"\n").unwrap_err();
+        assert!(e.contains("kernal"), "{e}");
+        let e = Config::parse("[qemu]\nbinarie = \"/x\"\n").unwrap_err();
+        assert!(e.contains("binarie"), "{e}");
+        assert!(Config::parse("default_vcpus = \"two\"\n").is_err());
+        assert!(Config::parse("hypervisor = \"xen\"\n").is_err());
+    }
+
+    #[test]
+    fn load_names_the_file_and_the_cause() {
+        let dir = std::env::temp_dir().join(format!("microvm-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("config.toml");
+        std::fs::write(&f, "kernel = \"/nonexistent/vmlinux\"\n").unwrap();
+        let e = Config::load(Some(&f)).unwrap_err().to_string();
+        assert!(e.contains(&f.display().to_string()), "{e}");
+        assert!(e.contains("/nonexistent/vmlinux"), "{e}");
+        std::fs::write(&f, "bogus = 1\n").unwrap();
+        let e = Config::load(Some(&f)).unwrap_err().to_string();
+        assert!(e.contains("bogus"), "{e}");
+        let e = Config::load(Some(&dir.join("missing.toml")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing.toml"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sizes_vm_from_annotations() {
+        let c = Config::default();
+        assert_eq!(
+            c.vm_size(&HashMap::new()).unwrap(),
+            VmSize {
+                vcpus: 1,
+                memory_mib: 256
+            }
+        );
+        let s = c
+            .vm_size(&ann(&[
+                (ANN_CPU_QUOTA, "150000"),
+                (ANN_CPU_PERIOD, "100000"),
+                (ANN_MEMORY, "268435456"),
+            ]))
+            .unwrap();
+        assert_eq!(
+            s,
+            VmSize {
+                vcpus: 2,
+                memory_mib: 256 + 128
+            }
+        );
+        // Unlimited (quota -1, memory 0) means the defaults.
+        let s = c
+            .vm_size(&ann(&[
+                (ANN_CPU_QUOTA, "-1"),
+                (ANN_CPU_PERIOD, "100000"),
+                (ANN_MEMORY, "0"),
+            ]))
+            .unwrap();
+        assert_eq!(s.vcpus, 1);
+        assert_eq!(s.memory_mib, 256);
+        // Capped at the maxima.
+        let s = c
+            .vm_size(&ann(&[
+                (ANN_CPU_QUOTA, "100000000"),
+                (ANN_CPU_PERIOD, "1000"),
+                (ANN_MEMORY, "9223372036854775807"),
+            ]))
+            .unwrap();
+        assert_eq!(s.vcpus, 16);
+        assert_eq!(s.memory_mib, 64 * 1024);
+        let e = c.vm_size(&ann(&[(ANN_MEMORY, "lots")])).unwrap_err();
+        assert!(e.contains(ANN_MEMORY), "{e}");
+    }
+}
