@@ -159,6 +159,8 @@ fn main() -> Result<()> {
             .args(["-m", &format!("{memory_mib}M")])
             .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
             .args(["-serial", "stdio", "-display", "none"])
+            // microvm has no i8042 of its own; the guest resets through one, as on ours.
+            .args(["-device", "i8042"])
             .arg("-kernel")
             .arg(&guest);
         c
