@@ -33,7 +33,7 @@ lint: deps
 test: deps kernel initrd guests build
 	scripts/run-tests.sh
 
-demo: deps kernel initrd build
+demo: deps kernel initrd guests build
 	scripts/demo.sh
 
 bench: deps kernel initrd guests build
