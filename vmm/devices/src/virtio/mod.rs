@@ -9,6 +9,7 @@
 //! Threads: the transport runs on vCPU threads (register accesses), the device's event handling
 //! on the single device event-loop thread; the device is shared between them as `Arc<Mutex<_>>`.
 
+pub mod fs;
 pub mod mmio;
 pub mod vsock;
 

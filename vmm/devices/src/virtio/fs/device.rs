@@ -1,0 +1,278 @@
+//! The virtio-fs device: a high-priority queue and [`NUM_REQUEST_QUEUES`] request queues served
+//! by one FUSE server over a passthrough file system.
+//!
+//! Each pass over a queue handles at most one queue's worth of chains, then re-signals itself,
+//! so a guest that keeps the queue full cannot hold the event loop.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use fuse_backend_rs::api::filesystem::FileSystem;
+use fuse_backend_rs::api::server::Server;
+use fuse_backend_rs::passthrough::{Config, PassthroughFs};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::request::{handle_request, FsServer};
+use super::{validate_tag, FsError, CONFIG_SIZE, NUM_REQUEST_QUEUES, QUEUE_SIZE, TAG_MAX_LEN};
+use crate::virtio::{
+    device_type, ActivateError, IrqTrigger, VirtioDevice, INT_VRING, VIRTIO_F_VERSION_1,
+};
+use crate::GuestMemory;
+
+/// Number of queues: the high-priority queue plus the request queues.
+const NUM_QUEUES: usize = 1 + NUM_REQUEST_QUEUES as usize;
+const QUEUE_SIZES: [u16; NUM_QUEUES] = [QUEUE_SIZE; NUM_QUEUES];
+
+struct Active {
+    mem: GuestMemory,
+    queues: Vec<Queue>,
+    interrupt: Arc<IrqTrigger>,
+}
+
+/// Counters of what the device did (for tests and diagnostics).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FsStats {
+    /// Requests served by the FUSE server (including its error replies).
+    pub served: u64,
+    /// Requests rejected before the server, answered with `EINVAL`.
+    pub rejected_answered: u64,
+    /// Requests returned unanswered (unusable chain, or the server could not reply).
+    pub dropped: u64,
+}
+
+/// The virtio-fs device sharing one host directory.
+pub struct VirtioFs {
+    tag: String,
+    host_dir: PathBuf,
+    config: [u8; CONFIG_SIZE],
+    acked_features: u64,
+    queue_events: Vec<EventFd>,
+    fs: Arc<PassthroughFs<()>>,
+    server: FsServer,
+    active: Option<Active>,
+    stats: FsStats,
+}
+
+impl VirtioFs {
+    /// A device exporting `host_dir` under `tag` (what the guest passes to `mount -t virtiofs`).
+    pub fn new(tag: &str, host_dir: &Path) -> Result<Self, FsError> {
+        validate_tag(tag)?;
+        let host_err = |reason: String| FsError::HostDir {
+            path: host_dir.to_owned(),
+            reason,
+        };
+        let meta = std::fs::metadata(host_dir).map_err(|e| host_err(e.to_string()))?;
+        if !meta.is_dir() {
+            return Err(host_err("not a directory".into()));
+        }
+        std::fs::read_dir(host_dir).map_err(|e| host_err(format!("cannot be read: {e}")))?;
+        let root_dir = host_dir
+            .to_str()
+            .filter(|s| !s.contains('\0'))
+            .ok_or_else(|| host_err("the path is not valid UTF-8".into()))?
+            .to_owned();
+        let cfg = Config {
+            root_dir,
+            // The root inode is imported by the guest's INIT (and again after a reset).
+            do_import: true,
+            xattr: false,
+            ..Default::default()
+        };
+        let fs = Arc::new(
+            PassthroughFs::<()>::new(cfg).map_err(|source| FsError::Backend {
+                path: host_dir.to_owned(),
+                source,
+            })?,
+        );
+        let server = Server::new(fs.clone());
+        let queue_events = (0..NUM_QUEUES)
+            .map(|_| EventFd::new(EFD_NONBLOCK))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(FsError::EventFd)?;
+        let mut config = [0u8; CONFIG_SIZE];
+        config[..tag.len()].copy_from_slice(tag.as_bytes());
+        config[TAG_MAX_LEN..].copy_from_slice(&NUM_REQUEST_QUEUES.to_le_bytes());
+        Ok(Self {
+            tag: tag.to_owned(),
+            host_dir: host_dir.to_owned(),
+            config,
+            acked_features: 0,
+            queue_events,
+            fs,
+            server,
+            active: None,
+            stats: FsStats::default(),
+        })
+    }
+
+    /// The tag the guest mounts.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// The shared host directory.
+    pub fn host_dir(&self) -> &Path {
+        &self.host_dir
+    }
+
+    /// The features the driver accepted.
+    pub fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+
+    /// What the device has done so far.
+    pub fn stats(&self) -> FsStats {
+        self.stats
+    }
+
+    fn kick(&self, queue: usize) {
+        if let Some(evt) = self.queue_events.get(queue) {
+            if let Err(e) = evt.write(1) {
+                log::error!("virtio-fs: re-signalling queue {queue}: {e}");
+            }
+        }
+    }
+
+    /// Serves the available chains of `queue` (at most one queue's worth per call).
+    pub fn process_queue(&mut self, queue: usize) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let Active {
+            mem,
+            queues,
+            interrupt,
+        } = active;
+        let Some(q) = queues.get_mut(queue) else {
+            return;
+        };
+        let mut used = false;
+        let mut more = false;
+        for i in 0..=q.size() {
+            let Some(chain) = q.pop_descriptor_chain(&*mem) else {
+                break;
+            };
+            if i == q.size() {
+                // Budget spent: put it back and come back later.
+                q.go_to_previous_position();
+                more = true;
+                break;
+            }
+            let head = chain.head_index();
+            let outcome = handle_request(&self.server, mem, chain);
+            match &outcome.rejected {
+                None => self.stats.served += 1,
+                Some(e) => {
+                    log::debug!("virtio-fs: queue {queue} request {head}: {e}");
+                    if outcome.used_len > 0 {
+                        self.stats.rejected_answered += 1;
+                    } else {
+                        self.stats.dropped += 1;
+                    }
+                }
+            }
+            if let Err(e) = q.add_used(&*mem, head, outcome.used_len) {
+                log::error!("virtio-fs: queue {queue} used ring: {e}");
+            }
+            used = true;
+        }
+        if used {
+            match q.needs_notification(&*mem) {
+                Ok(false) => {}
+                Ok(true) | Err(_) => {
+                    if let Err(e) = interrupt.trigger(INT_VRING) {
+                        log::error!("virtio-fs: raising the interrupt: {e}");
+                    }
+                }
+            }
+        }
+        if more {
+            self.kick(queue);
+        }
+    }
+
+    /// The queue eventfd of `queue` was signalled: consume it and serve the queue.
+    pub fn process_queue_event(&mut self, queue: usize) {
+        let Some(evt) = self.queue_events.get(queue) else {
+            return;
+        };
+        if let Err(e) = evt.read() {
+            if e.kind() != std::io::ErrorKind::WouldBlock {
+                log::error!("virtio-fs: reading queue {queue} event: {e}");
+            }
+        }
+        self.process_queue(queue);
+    }
+}
+
+impl VirtioDevice for VirtioFs {
+    fn device_type(&self) -> u32 {
+        device_type::FS
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_events
+    }
+
+    fn avail_features(&self) -> u64 {
+        1 << VIRTIO_F_VERSION_1
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features & self.avail_features();
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = offset
+                .checked_add(i as u64)
+                .and_then(|o| usize::try_from(o).ok())
+                .and_then(|o| self.config.get(o))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        log::debug!(
+            "virtio-fs: ignoring a {}-byte config write at {offset:#x}",
+            data.len()
+        );
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<IrqTrigger>,
+    ) -> Result<(), ActivateError> {
+        if queues.len() != NUM_QUEUES {
+            return Err(ActivateError::QueueCount {
+                want: NUM_QUEUES,
+                got: queues.len(),
+            });
+        }
+        self.active = Some(Active {
+            mem,
+            queues,
+            interrupt,
+        });
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+        // Forget the guest's inodes and open handles; the next INIT starts afresh.
+        self.fs.destroy();
+    }
+
+    fn is_activated(&self) -> bool {
+        self.active.is_some()
+    }
+}
