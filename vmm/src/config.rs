@@ -56,6 +56,15 @@ pub struct VsockConfig {
     pub uds_path: PathBuf,
 }
 
+/// The virtio-fs device: a host directory the guest mounts with `mount -t virtiofs <tag> <dir>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedFsConfig {
+    /// The name the guest mounts (1 to 36 bytes, no NUL).
+    pub tag: String,
+    /// The host directory served to the guest (FUSE passthrough; the guest cannot leave it).
+    pub host_dir: PathBuf,
+}
+
 /// How the boot vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BootProtocol {
@@ -80,6 +89,8 @@ pub struct VmConfig {
     pub cmdline: String,
     pub serial: SerialSink,
     pub vsock: Option<VsockConfig>,
+    /// A shared directory (virtio-fs), if any.
+    pub shared_fs: Option<SharedFsConfig>,
     pub boot_protocol: BootProtocol,
 }
 
@@ -94,6 +105,7 @@ impl VmConfig {
             cmdline: String::new(),
             serial: SerialSink::Stdout,
             vsock: None,
+            shared_fs: None,
             boot_protocol: BootProtocol::Auto,
         }
     }
@@ -153,6 +165,25 @@ impl VmConfig {
             }
             if v.uds_path.as_os_str().is_empty() {
                 return Err(VmmError::Config("vsock socket path is empty".into()));
+            }
+        }
+        if let Some(fs) = &self.shared_fs {
+            vmm_devices::virtio::fs::validate_tag(&fs.tag)
+                .map_err(|e| VmmError::Config(e.to_string()))?;
+            match std::fs::metadata(&fs.host_dir) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(VmmError::Config(format!(
+                        "shared directory {} is not a directory",
+                        fs.host_dir.display()
+                    )))
+                }
+                Err(e) => {
+                    return Err(VmmError::Config(format!(
+                        "shared directory {}: {e}",
+                        fs.host_dir.display()
+                    )))
+                }
             }
         }
         Ok(())
@@ -278,5 +309,40 @@ mod tests {
             uds_path: "/tmp/x.sock".into(),
         });
         assert!(c.validate().unwrap_err().to_string().contains("reserved"));
+    }
+
+    #[test]
+    fn checks_the_shared_fs_tag_and_directory() {
+        let (mut c, k) = cfg_with_kernel();
+        let dir = std::env::temp_dir();
+        c.shared_fs = Some(SharedFsConfig {
+            tag: "shared".into(),
+            host_dir: dir.clone(),
+        });
+        c.validate().unwrap();
+        for bad in ["", &"x".repeat(37)] {
+            c.shared_fs = Some(SharedFsConfig {
+                tag: bad.to_string(),
+                host_dir: dir.clone(),
+            });
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("invalid virtio-fs tag"), "{e}");
+        }
+        c.shared_fs = Some(SharedFsConfig {
+            tag: "shared".into(),
+            host_dir: c.kernel.clone(),
+        });
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("is not a directory"), "{e}");
+        c.shared_fs = Some(SharedFsConfig {
+            tag: "shared".into(),
+            host_dir: "/nonexistent/shared".into(),
+        });
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("/nonexistent/shared") && e.contains("No such file"),
+            "{e}"
+        );
+        drop(k);
     }
 }

@@ -20,7 +20,7 @@ pub mod regs;
 mod vcpu;
 mod vm;
 
-pub use config::{BootProtocol, SerialSink, VmConfig, VsockConfig};
+pub use config::{BootProtocol, SerialSink, SharedFsConfig, VmConfig, VsockConfig};
 pub use error::VmmError;
 pub use handle::VmHandle;
 pub use vm::Vm;

@@ -10,6 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use vmm_devices::virtio::fs::VirtioFs;
 use vmm_devices::virtio::vsock::Vsock;
 
 use crate::boot::{self, BootError};
@@ -55,6 +56,11 @@ impl Vm {
         if let Some(v) = &cfg.vsock {
             let dev = Vsock::new(u64::from(v.guest_cid), &v.uds_path)
                 .map_err(|e| VmmError::Device(format!("vsock on {}: {e}", v.uds_path.display())))?;
+            devices.attach_virtio_device(&vm, &mem, Arc::new(Mutex::new(dev)))?;
+        }
+        if let Some(fs) = &cfg.shared_fs {
+            let dev = VirtioFs::new(&fs.tag, &fs.host_dir)
+                .map_err(|e| VmmError::Device(format!("virtio-fs {:?}: {e}", fs.tag)))?;
             devices.attach_virtio_device(&vm, &mem, Arc::new(Mutex::new(dev)))?;
         }
 

@@ -132,6 +132,46 @@ fn hello_with_an_initrd() {
 }
 
 #[test]
+fn hello_with_a_shared_fs() {
+    let dir = std::env::temp_dir().join(format!("vmm-shared-fs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (mut cfg, cap) = config("hello", 1, 64);
+    cfg.shared_fs = Some(vmm::SharedFsConfig {
+        tag: "pod".into(),
+        host_dir: dir.clone(),
+    });
+    let h = Vm::start(cfg).expect("VM starts");
+    // The virtio-fs device took the first virtio-mmio slot.
+    assert!(
+        h.cmdline().contains("virtio_mmio.device=4K@0xd0000000:5"),
+        "{}",
+        h.cmdline()
+    );
+    let r = h.wait_timeout(GUEST_TIMEOUT).expect("guest finishes");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(r.unwrap(), VmExit::Reset);
+    assert!(result_line(&cap.text())
+        .unwrap()
+        .starts_with("RESULT: PASS"));
+
+    // Bad shared-fs settings are refused before anything starts, naming the problem.
+    let (mut cfg, _) = config("hello", 1, 64);
+    cfg.shared_fs = Some(vmm::SharedFsConfig {
+        tag: "x".repeat(37),
+        host_dir: std::env::temp_dir(),
+    });
+    let e = Vm::start(cfg).err().unwrap().to_string();
+    assert!(e.contains("invalid virtio-fs tag"), "{e}");
+    let (mut cfg, _) = config("hello", 1, 64);
+    cfg.shared_fs = Some(vmm::SharedFsConfig {
+        tag: "pod".into(),
+        host_dir: "/nonexistent/shared".into(),
+    });
+    let e = Vm::start(cfg).err().unwrap().to_string();
+    assert!(e.contains("/nonexistent/shared"), "{e}");
+}
+
+#[test]
 fn four_vms_at_once() {
     let handles: Vec<_> = (0..4)
         .map(|i| {
