@@ -10,6 +10,7 @@ packages=(
   flex bison bc libelf-dev libssl-dev dwarves cpio python3   # kernel build
   linux-source                    # the guest kernel's source (kernel-config/build.sh)
   qemu-system-x86                 # the QEMU backend and the benchmark's comparison VMM
+  containerd runc containernetworking-plugins   # private containerd for the CRI tests (CNI in /usr/lib/cni)
   busybox-static                  # test images
   protobuf-compiler               # k8s-cri client code generation (tests)
   libseccomp-dev                  # the guest agent's static link

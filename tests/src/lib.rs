@@ -4,3 +4,7 @@
 //! `run-test-guest` uses it too); it is re-exported here under its old name.
 
 pub use shim::test_guest_peer as vsock_peer;
+
+pub mod containerd;
+pub mod cri;
+pub mod images;

@@ -1,0 +1,753 @@
+//! A private containerd for the tests: its own root, state, socket, config, CNI network and pod
+//! cgroup parent under a temporary directory; never the system service.
+//!
+//! Configured with the CRI plugin (sandbox image = the locally built pause image, overlayfs,
+//! `restrict_oom_score_adj`, cgroupfs), a CNI bridge private to the instance, and two runtime
+//! handlers: `runc` (io.containerd.runc.v2) and `microvm` (io.containerd.microvm.v1, whose
+//! `containerd-shim-microvm-v1` containerd finds on its PATH: see [`ContainerdOptions::extra_path`]).
+//!
+//! Dropping it stops containerd (SIGTERM, then SIGKILL), kills what the instance's pods left
+//! running, unmounts everything under its directory, and removes its cgroups, bridge and files.
+
+use crate::cri::{self, v1::PodSandboxConfig, CriClient};
+use crate::images::{self, LocalImage};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// The containerd namespace CRI uses.
+pub const CRI_NAMESPACE: &str = "k8s.io";
+/// Where Debian's containernetworking-plugins installs the CNI plugins.
+pub const CNI_BIN_DIR: &str = "/usr/lib/cni";
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerdError {
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("containerd not found on PATH: install Debian's containerd (scripts/install-deps.sh)")]
+    NotInstalled,
+    #[error("containerd exited during startup ({status}); its log:\n{log}")]
+    Exited { status: String, log: String },
+    #[error("containerd's socket {socket} did not answer within {timeout:?}; its log:\n{log}")]
+    Timeout {
+        socket: PathBuf,
+        timeout: Duration,
+        log: String,
+    },
+    #[error("no free test network (all 10.88.100-249 bridges in use)")]
+    NoFreeNetwork,
+    #[error(transparent)]
+    Image(#[from] images::ImageError),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ContainerdError {
+    let what = what.into();
+    move |source| ContainerdError::Io { what, source }
+}
+
+/// How to start a [`PrivateContainerd`].
+#[derive(Debug, Clone)]
+pub struct ContainerdOptions {
+    /// Directories put before the inherited PATH of containerd (and so of the shims it starts):
+    /// where `containerd-shim-microvm-v1` is found.
+    pub extra_path: Vec<PathBuf>,
+    /// `ConfigPath` in the `microvm` handler's runtime options (none: the shim's default).
+    pub microvm_config: Option<PathBuf>,
+    /// containerd's log level.
+    pub log_level: String,
+    /// Bound on the wait for containerd's socket.
+    pub start_timeout: Duration,
+    /// Import the busybox and pause images (the pause image is the sandbox image).
+    pub import_images: bool,
+    /// Where the image tarballs are built and cached.
+    pub image_dir: PathBuf,
+}
+
+impl Default for ContainerdOptions {
+    fn default() -> Self {
+        ContainerdOptions {
+            extra_path: Vec::new(),
+            microvm_config: None,
+            log_level: "info".into(),
+            start_timeout: Duration::from_secs(30),
+            import_images: true,
+            image_dir: images::default_image_dir(),
+        }
+    }
+}
+
+/// A process that is still running, found by the leak checks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeftoverProcess {
+    pub pid: i32,
+    pub cmdline: String,
+}
+
+/// A running private containerd. See the module documentation.
+pub struct PrivateContainerd {
+    child: Option<Child>,
+    dir: Option<tempfile::TempDir>,
+    socket: PathBuf,
+    net_index: u8,
+    _net_lock: File,
+    net_lock_path: PathBuf,
+    cgroup_parent: String,
+    busybox: Option<LocalImage>,
+    started_in: Duration,
+}
+
+impl PrivateContainerd {
+    /// Writes the configuration, starts containerd, waits (bounded) for its socket, and imports
+    /// the local images.
+    pub fn start(opts: ContainerdOptions) -> Result<Self, ContainerdError> {
+        let began = Instant::now();
+        let containerd = which("containerd").ok_or(ContainerdError::NotInstalled)?;
+        let pause = if opts.import_images {
+            Some(images::pause_image(&opts.image_dir)?)
+        } else {
+            None
+        };
+        let busybox = if opts.import_images {
+            Some(images::busybox_image(&opts.image_dir)?)
+        } else {
+            None
+        };
+
+        let dir = tempfile::Builder::new()
+            .prefix("microvm-ctrd-")
+            .tempdir_in("/tmp")
+            .map_err(io_err("create the containerd temp dir"))?;
+        let (net_index, net_lock, net_lock_path) = reserve_network()?;
+        let root = dir.path();
+        let socket = root.join("containerd.sock");
+        let cgroup_parent = format!(
+            "/microvm-test-{}",
+            root.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        );
+        for sub in ["root", "state", "opt", "cni/net.d", "cni/ipam", "pod-logs"] {
+            std::fs::create_dir_all(root.join(sub)).map_err(io_err(format!("create {sub}")))?;
+        }
+        std::fs::write(
+            root.join("cni/net.d/10-microvm-test.conflist"),
+            cni_config(root, net_index),
+        )
+        .map_err(io_err("write the CNI config"))?;
+        let config_path = root.join("config.toml");
+        std::fs::write(
+            &config_path,
+            containerd_config(root, &socket, &opts, pause.as_ref().map(|p| p.name)),
+        )
+        .map_err(io_err("write config.toml"))?;
+
+        let log_path = root.join("containerd.log");
+        let log = File::create(&log_path).map_err(io_err("create containerd.log"))?;
+        let log_err = log.try_clone().map_err(io_err("dup containerd.log"))?;
+        let mut path = opts.extra_path.clone();
+        path.extend(std::env::split_paths(
+            &std::env::var_os("PATH").unwrap_or_else(|| "/usr/sbin:/usr/bin:/sbin:/bin".into()),
+        ));
+        let path = std::env::join_paths(path).map_err(|e| {
+            io_err("PATH")(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))
+        })?;
+        let child = Command::new(containerd)
+            .arg("--config")
+            .arg(&config_path)
+            .env("PATH", path)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .map_err(io_err("spawn containerd"))?;
+
+        let mut me = PrivateContainerd {
+            child: Some(child),
+            dir: Some(dir),
+            socket,
+            net_index,
+            _net_lock: net_lock,
+            net_lock_path,
+            cgroup_parent,
+            busybox,
+            started_in: Duration::ZERO,
+        };
+        me.wait_for_socket(opts.start_timeout)?;
+        for image in pause.iter().chain(me.busybox.iter()) {
+            images::import(&me.socket, CRI_NAMESPACE, image)?;
+        }
+        me.started_in = began.elapsed();
+        Ok(me)
+    }
+
+    fn wait_for_socket(&mut self, timeout: Duration) -> Result<(), ContainerdError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Some(status) = child.try_wait().map_err(io_err("wait containerd"))? {
+                    self.child = None;
+                    return Err(ContainerdError::Exited {
+                        status: status.to_string(),
+                        log: self.log_tail(),
+                    });
+                }
+            }
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(ContainerdError::Timeout {
+                    socket: self.socket.clone(),
+                    timeout,
+                    log: self.log_tail(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The instance's directory (root, state, config, CNI config, logs).
+    pub fn dir(&self) -> &Path {
+        self.dir
+            .as_ref()
+            .map(|d| d.path())
+            .unwrap_or(Path::new("/"))
+    }
+
+    /// containerd's gRPC socket (CRI and the containerd API).
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The cgroup parent to give pods (`linux.cgroup_parent`), so that the instance finds and
+    /// removes everything its pods left in the cgroup hierarchies.
+    pub fn cgroup_parent(&self) -> &str {
+        &self.cgroup_parent
+    }
+
+    /// A directory for pods' CRI log directories.
+    pub fn pod_log_root(&self) -> PathBuf {
+        self.dir().join("pod-logs")
+    }
+
+    /// A pod config for this instance: its cgroup parent, and a fresh log directory under
+    /// [`Self::pod_log_root`].
+    pub fn pod_config(
+        &self,
+        name: &str,
+        annotations: HashMap<String, String>,
+    ) -> Result<PodSandboxConfig, ContainerdError> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let logs = self
+            .pod_log_root()
+            .join(format!("{name}-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(&logs).map_err(io_err(format!("create {}", logs.display())))?;
+        Ok(cri::pod_config(
+            name,
+            &logs,
+            &self.cgroup_parent,
+            annotations,
+        ))
+    }
+
+    /// Stops and removes every pod through CRI, bounded; run from its own thread and runtime
+    /// so that it works from a drop inside async code too.
+    fn remove_pods_through_cri(&self, timeout: Duration) -> Result<(), String> {
+        let socket = self.socket.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            runtime.block_on(async move {
+                let work = async {
+                    let client = CriClient::connect(&socket, Duration::from_secs(30)).await?;
+                    client.remove_all_pods().await
+                };
+                match tokio::time::timeout(timeout, work).await {
+                    Ok(result) => result.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!("not done within {timeout:?}")),
+                }
+            })
+        })
+        .join()
+        .map_err(|_| "the cleanup thread panicked".to_string())?
+    }
+
+    /// The imported busybox image's name.
+    pub fn busybox_image(&self) -> &str {
+        self.busybox
+            .as_ref()
+            .map(|i| i.name)
+            .unwrap_or(images::BUSYBOX_IMAGE)
+    }
+
+    /// The CNI bridge of this instance (created by the bridge plugin with the first pod).
+    pub fn bridge_name(&self) -> String {
+        format!("mvt{}", self.net_index)
+    }
+
+    /// The pods' subnet.
+    pub fn subnet(&self) -> String {
+        format!("10.88.{}.0/24", self.net_index)
+    }
+
+    /// Time from `start` to a serving containerd with the images imported.
+    pub fn started_in(&self) -> Duration {
+        self.started_in
+    }
+
+    /// The last lines of containerd's log.
+    pub fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir().join("containerd.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// Mount points under the instance's directory (rootfs, shm, snapshots still mounted).
+    pub fn mounts(&self) -> Vec<PathBuf> {
+        mounts_under(self.dir())
+    }
+
+    /// Processes of this instance other than containerd: shims started with its address, and
+    /// anything in its pods' cgroups.
+    pub fn leftover_processes(&self) -> Vec<LeftoverProcess> {
+        let mut pids = shim_pids(&self.socket);
+        pids.extend(cgroup_pids(&self.cgroup_parent));
+        pids.sort_unstable();
+        pids.dedup();
+        let own = std::process::id() as i32;
+        let containerd = self.child.as_ref().map(|c| c.id() as i32);
+        pids.into_iter()
+            .filter(|&pid| pid != own && Some(pid) != containerd && pid_alive(pid))
+            .filter_map(|pid| {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+                Some(LeftoverProcess {
+                    pid,
+                    cmdline: cmdline.trim().to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Cgroups still present below the instance's cgroup parent, in any hierarchy.
+    pub fn leftover_cgroups(&self) -> Vec<PathBuf> {
+        let mut found = Vec::new();
+        for hierarchy in cgroup_hierarchies() {
+            let parent = hierarchy.join(self.cgroup_parent.trim_start_matches('/'));
+            if let Ok(entries) = std::fs::read_dir(&parent) {
+                found.extend(
+                    entries
+                        .flatten()
+                        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+                        .map(|e| e.path()),
+                );
+            }
+        }
+        found
+    }
+
+    /// The shim socket containerd 1.6 derives for a container or sandbox id:
+    /// `/run/containerd/s/<sha256(<address>/<namespace>/<id>)>`.
+    pub fn shim_socket(&self, id: &str) -> PathBuf {
+        use sha2::{Digest, Sha256};
+        let key = self.socket.join(CRI_NAMESPACE).join(id);
+        let digest = Sha256::digest(key.as_os_str().as_bytes());
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        Path::new("/run/containerd/s").join(hex)
+    }
+
+    fn stop_containerd(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let pid = child.id() as i32;
+        // SAFETY: kill(2) on our own child, which has not been reaped yet.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        if wait_child(&mut child, Duration::from_secs(10)) {
+            return;
+        }
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let _ = child.wait();
+    }
+}
+
+impl Drop for PrivateContainerd {
+    fn drop(&mut self) {
+        // Gracefully first: containerd removes what it made for its pods (netns, shims, mounts).
+        if self.child.is_some() {
+            if let Err(e) = self.remove_pods_through_cri(Duration::from_secs(60)) {
+                eprintln!("private containerd: removing the pods through CRI failed: {e}");
+            }
+        }
+        self.stop_containerd();
+        // Shims exit by themselves shortly after their last container is deleted.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.leftover_processes().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // What the pods left: shims (SIGKILL-ed runc shims leave their containers, which the
+        // cgroup sweep catches) and container processes.
+        for _ in 0..3 {
+            let left = self.leftover_processes();
+            if left.is_empty() {
+                break;
+            }
+            for p in &left {
+                // SAFETY: kill(2) on a pid this instance's containerd started (a shim with our
+                // address or a process in our pods' cgroups).
+                unsafe { libc::kill(p.pid, libc::SIGKILL) };
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while left.iter().any(|p| pid_alive(p.pid)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let dir = self.dir().to_path_buf();
+        for _ in 0..3 {
+            let mounts = mounts_under(&dir);
+            if mounts.is_empty() {
+                break;
+            }
+            for m in mounts {
+                unmount_lazy(&m);
+            }
+        }
+        remove_cgroups(&self.cgroup_parent);
+        let bridge = self.bridge_name();
+        if Path::new("/sys/class/net").join(&bridge).exists() {
+            let _ = Command::new("ip")
+                .args(["link", "del", &bridge])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        if let Some(dir) = self.dir.take() {
+            if std::env::var_os("MICROVM_KEEP_CONTAINERD_DIR").is_some() {
+                let kept = dir.keep();
+                eprintln!("kept the containerd dir {}", kept.display());
+            } else {
+                let _ = dir.close();
+            }
+        }
+        let _ = std::fs::remove_file(&self.net_lock_path);
+    }
+}
+
+fn containerd_config(
+    root: &Path,
+    socket: &Path,
+    opts: &ContainerdOptions,
+    sandbox_image: Option<&str>,
+) -> String {
+    let cri = r#"plugins."io.containerd.grpc.v1.cri""#;
+    let microvm_options = match &opts.microvm_config {
+        Some(path) => format!(
+            "\n[{cri}.containerd.runtimes.microvm.options]\n  ConfigPath = {}\n",
+            toml_str(&path.to_string_lossy())
+        ),
+        None => String::new(),
+    };
+    format!(
+        r#"# Written by microvm-tests (tests/src/containerd.rs): a private containerd for one test.
+version = 2
+root = {root}
+state = {state}
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+
+[grpc]
+  address = {socket}
+
+[ttrpc]
+  address = {ttrpc}
+
+[debug]
+  level = {level}
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = {opt}
+
+[{cri}]
+  sandbox_image = {sandbox_image}
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+
+[{cri}.containerd]
+  snapshotter = "overlayfs"
+  default_runtime_name = "runc"
+
+[{cri}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[{cri}.containerd.runtimes.runc.options]
+  SystemdCgroup = false
+
+[{cri}.containerd.runtimes.microvm]
+  runtime_type = "io.containerd.microvm.v1"
+  pod_annotations = ["microvm.io/*"]
+{microvm_options}
+[{cri}.cni]
+  bin_dir = {cni_bin}
+  conf_dir = {cni_conf}
+  max_conf_num = 1
+"#,
+        root = toml_str(&root.join("root").to_string_lossy()),
+        state = toml_str(&root.join("state").to_string_lossy()),
+        socket = toml_str(&socket.to_string_lossy()),
+        ttrpc = toml_str(&format!("{}.ttrpc", socket.to_string_lossy())),
+        level = toml_str(&opts.log_level),
+        opt = toml_str(&root.join("opt").to_string_lossy()),
+        sandbox_image = toml_str(sandbox_image.unwrap_or(images::PAUSE_IMAGE)),
+        cni_bin = toml_str(CNI_BIN_DIR),
+        cni_conf = toml_str(&root.join("cni/net.d").to_string_lossy()),
+    )
+}
+
+fn cni_config(root: &Path, index: u8) -> String {
+    serde_json::to_string_pretty(&serde_json::json!({
+        "cniVersion": "0.4.0",
+        "name": format!("microvm-test-{index}"),
+        "plugins": [{
+            "type": "bridge",
+            "bridge": format!("mvt{index}"),
+            "isGateway": true,
+            // No masquerading: nothing is added to the host's iptables.
+            "ipMasq": false,
+            "hairpinMode": true,
+            "ipam": {
+                "type": "host-local",
+                "ranges": [[{ "subnet": format!("10.88.{index}.0/24") }]],
+                "routes": [{ "dst": "0.0.0.0/0" }],
+                "dataDir": root.join("cni/ipam").to_string_lossy(),
+            },
+        }],
+    }))
+    .unwrap_or_default()
+}
+
+/// A TOML basic string (JSON string escaping is valid TOML for these values).
+fn toml_str(s: &str) -> String {
+    serde_json::Value::String(s.to_string()).to_string()
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Picks a bridge index whose name is unused on the host and whose lock file (held open for the
+/// instance's lifetime, released by the kernel if the process dies) no other instance holds.
+fn reserve_network() -> Result<(u8, File, PathBuf), ContainerdError> {
+    let start = (std::process::id() % 150) as u8;
+    for i in 0..150u8 {
+        let index = 100 + (start + i) % 150;
+        if Path::new(&format!("/sys/class/net/mvt{index}")).exists() {
+            continue;
+        }
+        let path = PathBuf::from(format!("/tmp/microvm-test-net-{index}.lock"));
+        let file = File::create(&path).map_err(io_err(format!("create {}", path.display())))?;
+        // SAFETY: flock(2) on a file descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok((index, file, path));
+        }
+    }
+    Err(ContainerdError::NoFreeNetwork)
+}
+
+fn wait_child(child: &mut Child, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        match child.try_wait() {
+            Ok(Some(_)) | Err(_) => return true,
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    false
+}
+
+/// Mount points at or below `dir` in this mount namespace, deepest first.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut found: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(unescape_mount_path)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    found.dedup();
+    found
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mount_path(field: &str) -> PathBuf {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && bytes[i + 1..i + 4]
+                .iter()
+                .all(|b| (b'0'..=b'7').contains(b))
+        {
+            let value =
+                (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
+            out.push(value);
+            i += 4;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    PathBuf::from(std::ffi::OsStr::from_bytes(&out))
+}
+
+fn unmount_lazy(path: &Path) {
+    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return;
+    };
+    // SAFETY: umount2(2) with a valid NUL-terminated path; failure is harmless here.
+    unsafe { libc::umount2(c_path.as_ptr(), libc::MNT_DETACH) };
+}
+
+/// Whether `pid` is a live process (not gone, not a zombie waiting for its parent).
+pub fn pid_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name, which may itself hold ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Pids whose argv holds `socket` as an argument (shims get `-address <socket>`).
+fn shim_pids(socket: &Path) -> Vec<i32> {
+    let needle = socket.as_os_str().as_bytes();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| c.split(|&b| b == 0).any(|arg| arg == needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+fn cgroup_hierarchies() -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(CGROUP_ROOT) else {
+        return Vec::new();
+    };
+    let mut dirs: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+        .map(|e| e.path())
+        .collect();
+    // A pure cgroup v2 host has cgroup.procs at the root itself.
+    if Path::new(CGROUP_ROOT).join("cgroup.procs").exists() {
+        dirs = vec![PathBuf::from(CGROUP_ROOT)];
+    }
+    dirs
+}
+
+fn cgroup_pids(parent: &str) -> Vec<i32> {
+    fn walk(dir: &Path, pids: &mut Vec<i32>) {
+        if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+            pids.extend(procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+        }
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    walk(&e.path(), pids);
+                }
+            }
+        }
+    }
+    let mut pids = Vec::new();
+    for hierarchy in cgroup_hierarchies() {
+        walk(&hierarchy.join(parent.trim_start_matches('/')), &mut pids);
+    }
+    pids
+}
+
+fn remove_cgroups(parent: &str) {
+    fn remove_tree(dir: &Path) {
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    remove_tree(&e.path());
+                }
+            }
+        }
+        // cgroup directories are removed with rmdir even though they list files.
+        let _ = std::fs::remove_dir(dir);
+    }
+    for hierarchy in cgroup_hierarchies() {
+        remove_tree(&hierarchy.join(parent.trim_start_matches('/')));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(
+            unescape_mount_path(r"/tmp/a\040b\134c"),
+            PathBuf::from("/tmp/a b\\c")
+        );
+        assert_eq!(unescape_mount_path(r"/x\04"), PathBuf::from(r"/x\04"));
+    }
+
+    #[test]
+    fn config_names_both_handlers_and_private_paths() {
+        let opts = ContainerdOptions {
+            microvm_config: Some("/etc/microvm/test.toml".into()),
+            ..Default::default()
+        };
+        let root = Path::new("/tmp/microvm-ctrd-x");
+        let text = containerd_config(root, &root.join("containerd.sock"), &opts, Some("p:1"));
+        for needle in [
+            r#"root = "/tmp/microvm-ctrd-x/root""#,
+            r#"address = "/tmp/microvm-ctrd-x/containerd.sock""#,
+            r#"sandbox_image = "p:1""#,
+            "restrict_oom_score_adj = true",
+            r#"runtime_type = "io.containerd.runc.v2""#,
+            r#"runtime_type = "io.containerd.microvm.v1""#,
+            r#"pod_annotations = ["microvm.io/*"]"#,
+            r#"ConfigPath = "/etc/microvm/test.toml""#,
+            r#"conf_dir = "/tmp/microvm-ctrd-x/cni/net.d""#,
+        ] {
+            assert!(text.contains(needle), "{needle} missing from\n{text}");
+        }
+        let cni: serde_json::Value = serde_json::from_str(&cni_config(root, 123)).unwrap();
+        assert_eq!(cni["plugins"][0]["bridge"], "mvt123");
+        assert_eq!(
+            cni["plugins"][0]["ipam"]["ranges"][0][0]["subnet"],
+            "10.88.123.0/24"
+        );
+    }
+}

@@ -1,0 +1,241 @@
+//! The containerd test harness proven with runc: a private containerd (needs root, Debian's
+//! containerd, runc and CNI plugins: scripts/install-deps.sh) driven through CRI with the `runc`
+//! handler. The `microvm` handler's tests reuse the same harness.
+
+use microvm_tests::containerd::{pid_alive, ContainerdOptions, PrivateContainerd};
+use microvm_tests::cri::{container_config, read_cri_log, CriClient};
+use microvm_tests::images::{BUSYBOX_IMAGE, PAUSE_IMAGE};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn require_root() {
+    // SAFETY: geteuid(2) has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "the containerd tests need root");
+}
+
+async fn start() -> (PrivateContainerd, CriClient) {
+    require_root();
+    let ctrd = PrivateContainerd::start(ContainerdOptions::default())
+        .unwrap_or_else(|e| panic!("starting the private containerd: {e}"));
+    let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    (ctrd, cri)
+}
+
+fn host_kernel_release() -> String {
+    let out = std::process::Command::new("uname")
+        .arg("-r")
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// Waits (bounded) until the instance has no shim or pod process left.
+fn wait_no_processes(ctrd: &PrivateContainerd, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = ctrd.leftover_processes();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "processes left after {timeout:?}: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runc_pod_lifecycle_through_cri_leaves_nothing() {
+    let (ctrd, cri) = start().await;
+    eprintln!(
+        "private containerd serving with images imported in {:?}",
+        ctrd.started_in()
+    );
+    let mut steps: Vec<(&str, Duration)> = Vec::new();
+    let mut timed = Instant::now();
+    let mut step = |name: &'static str| {
+        steps.push((name, timed.elapsed()));
+        timed = Instant::now();
+    };
+    let total = Instant::now();
+
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("runc-lifecycle", HashMap::new()).unwrap(),
+            "runc",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    step("run");
+    let netns = cri.pod_netns_path(&pod.id).await.unwrap();
+    let netns = netns.expect("a CNI pod has a network namespace path");
+    assert!(netns.exists(), "{} missing", netns.display());
+
+    // A short-lived container: output to the CRI log, exit code 3.
+    let exits = cri
+        .create_container(
+            &pod,
+            container_config("exit3", BUSYBOX_IMAGE, &["sh", "-c", "echo hello; exit 3"]),
+        )
+        .await
+        .unwrap();
+    step("create");
+    cri.start_container(&exits).await.unwrap();
+    step("start");
+    let status = cri
+        .wait_container_exited(&exits, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(status.exit_code, 3, "{status:?}");
+    let log = read_cri_log(Path::new(&status.log_path)).unwrap();
+    assert!(
+        log.iter()
+            .any(|l| l.stream == "stdout" && !l.partial && l.text == "hello"),
+        "hello not in {}: {log:?}",
+        status.log_path
+    );
+
+    // A long-running container to exec in.
+    let sleeper = cri
+        .create_container(
+            &pod,
+            container_config("sleeper", BUSYBOX_IMAGE, &["sleep", "3600"]),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&sleeper).await.unwrap();
+    step("create+start sleeper");
+    let uname = cri.exec_sync(&sleeper, &["uname", "-r"], 30).await.unwrap();
+    step("exec");
+    assert_eq!(uname.exit_code, 0, "{uname:?}");
+    assert_eq!(
+        uname.stdout.trim(),
+        host_kernel_release(),
+        "runc shares the host kernel"
+    );
+    let failing = cri
+        .exec_sync(&sleeper, &["sh", "-c", "echo oops >&2; exit 7"], 30)
+        .await
+        .unwrap();
+    assert_eq!((failing.exit_code, failing.stderr.trim()), (7, "oops"));
+    assert!(
+        !ctrd.mounts().is_empty(),
+        "running containers have rootfs mounts"
+    );
+
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    step("stop");
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    step("remove");
+    let total = total.elapsed();
+    eprintln!(
+        "runc pod lifecycle: {} total={total:?}",
+        steps
+            .iter()
+            .map(|(n, d)| format!("{n}={d:?}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+
+    // Nothing of the pod is left: processes, mounts, cgroups, netns, shim socket.
+    wait_no_processes(&ctrd, Duration::from_secs(10));
+    assert_eq!(ctrd.mounts(), Vec::<PathBuf>::new(), "mounts left");
+    assert_eq!(
+        ctrd.leftover_cgroups(),
+        Vec::<PathBuf>::new(),
+        "cgroups left"
+    );
+    assert!(!netns.exists(), "netns {} left", netns.display());
+    let shim_socket = ctrd.shim_socket(&pod.id);
+    assert!(
+        !shim_socket.exists(),
+        "shim socket {} left",
+        shim_socket.display()
+    );
+    assert!(cri.list_pod_ids().await.unwrap().is_empty());
+}
+
+/// Dropping the harness with a pod still running removes it and everything of the instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_harness_with_a_running_pod_leaves_nothing() {
+    let (ctrd, cri) = start().await;
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("runc-dropped", HashMap::new()).unwrap(),
+            "runc",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let sleeper = cri
+        .create_container(
+            &pod,
+            container_config("sleeper", BUSYBOX_IMAGE, &["sleep", "3600"]),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&sleeper).await.unwrap();
+    let netns = cri.pod_netns_path(&pod.id).await.unwrap().unwrap();
+    let running = ctrd.leftover_processes();
+    assert!(
+        running.iter().any(|p| p.cmdline.contains("sleep 3600")),
+        "{running:?}"
+    );
+    let dir = ctrd.dir().to_path_buf();
+    let socket = ctrd.socket().to_path_buf();
+    let bridge = ctrd.bridge_name();
+    assert!(Path::new("/sys/class/net").join(&bridge).exists());
+    let cgroup_parent = ctrd.cgroup_parent().to_string();
+    let shim_socket = ctrd.shim_socket(&pod.id);
+    drop(cri);
+
+    drop(ctrd);
+
+    assert!(!dir.exists(), "{} left", dir.display());
+    assert!(!netns.exists(), "netns {} left", netns.display());
+    assert!(!shim_socket.exists(), "{} left", shim_socket.display());
+    assert!(
+        !Path::new("/sys/class/net").join(&bridge).exists(),
+        "bridge {bridge} left"
+    );
+    for hierarchy in ["memory", "pids", "cpu", "unified"] {
+        let cg = Path::new("/sys/fs/cgroup")
+            .join(hierarchy)
+            .join(cgroup_parent.trim_start_matches('/'));
+        assert!(!cg.exists(), "{} left", cg.display());
+    }
+    // Reparented processes are reaped by the host's init: allow it a moment.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while running.iter().any(|p| pid_alive(p.pid)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let alive: Vec<_> = running.iter().filter(|p| pid_alive(p.pid)).collect();
+    assert!(alive.is_empty(), "processes left: {alive:?}");
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mountinfo.contains(dir.to_str().unwrap()),
+        "mounts left under {}",
+        dir.display()
+    );
+    let argv_holds_socket = std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+        std::fs::read(e.path().join("cmdline"))
+            .map(|c| {
+                c.split(|&b| b == 0)
+                    .any(|a| a == socket.as_os_str().as_encoded_bytes())
+            })
+            .unwrap_or(false)
+    });
+    assert!(
+        !argv_holds_socket,
+        "a shim of the dropped containerd still runs"
+    );
+}
