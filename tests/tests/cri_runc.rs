@@ -96,6 +96,7 @@ async fn runc_pod_lifecycle_through_cri_leaves_nothing() {
         .wait_container_exited(&exits, Duration::from_secs(30))
         .await
         .unwrap();
+    step("exit");
     assert_eq!(status.exit_code, 3, "{status:?}");
     let log = read_cri_log(Path::new(&status.log_path)).unwrap();
     assert!(
@@ -237,5 +238,43 @@ async fn dropping_the_harness_with_a_running_pod_leaves_nothing() {
     assert!(
         !argv_holds_socket,
         "a shim of the dropped containerd still runs"
+    );
+}
+
+/// The `microvm` handler is configured (containerd tries to start its shim), and while no
+/// `containerd-shim-microvm-v1` is on containerd's PATH, RunPodSandbox fails naming it and
+/// leaks nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn microvm_handler_without_its_shim_fails_cleanly() {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let installed: Vec<PathBuf> = std::env::split_paths(&path)
+        .map(|d| d.join("containerd-shim-microvm-v1"))
+        .filter(|p| p.exists())
+        .collect();
+    assert!(
+        installed.is_empty(),
+        "this test needs containerd-shim-microvm-v1 absent from PATH, found {installed:?}"
+    );
+    let (ctrd, cri) = start().await;
+    let err = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("no-shim", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await
+        .expect_err("no microvm shim is installed");
+    let message = err.to_string();
+    eprintln!("RunPodSandbox(microvm) without the shim: {message}");
+    assert!(
+        message.contains("containerd-shim-microvm-v1"),
+        "the error does not name the shim binary: {message}"
+    );
+    assert!(cri.list_pod_ids().await.unwrap().is_empty());
+    wait_no_processes(&ctrd, Duration::from_secs(10));
+    assert_eq!(ctrd.mounts(), Vec::<PathBuf>::new(), "mounts left");
+    assert_eq!(
+        ctrd.leftover_cgroups(),
+        Vec::<PathBuf>::new(),
+        "cgroups left"
     );
 }
