@@ -79,6 +79,20 @@ async fn runc_pod_lifecycle_through_cri_leaves_nothing() {
     step("run");
     let netns = cri.pod_netns_path(&pod.id).await.unwrap();
     let netns = netns.expect("a CNI pod has a network namespace path");
+    let ip = cri
+        .pod_sandbox_status(&pod.id, false)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.network)
+        .map(|n| n.ip)
+        .unwrap_or_default();
+    let subnet_prefix = ctrd.subnet().trim_end_matches("0/24").to_string();
+    assert!(
+        ip.starts_with(&subnet_prefix),
+        "pod IP {ip:?} not in the private subnet {}",
+        ctrd.subnet()
+    );
     assert!(netns.exists(), "{} missing", netns.display());
 
     // A short-lived container: output to the CRI log, exit code 3.
