@@ -241,6 +241,71 @@ impl PrivateContainerd {
         self.dir().join("pod-logs")
     }
 
+    /// Runs `ctr` against this instance in the CRI namespace, bounded by `timeout` (killed
+    /// after it); returns its output.
+    pub fn ctr(
+        &self,
+        args: &[&str],
+        timeout: Duration,
+    ) -> Result<std::process::Output, ContainerdError> {
+        let mut child = Command::new("ctr")
+            .arg("-a")
+            .arg(&self.socket)
+            .args(["-n", CRI_NAMESPACE])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(io_err("spawn ctr"))?;
+        // Drain the pipes on threads so that a chatty ctr cannot block on a full pipe.
+        let mut stdout = child.stdout.take();
+        let mut stderr = child.stderr.take();
+        let out_reader = std::thread::spawn(move || read_all(stdout.as_mut()));
+        let err_reader = std::thread::spawn(move || read_all(stderr.as_mut()));
+        if !wait_child(&mut child, timeout) {
+            // SAFETY: kill(2) on our own, not yet reaped child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        }
+        let status = child.wait().map_err(io_err("wait ctr"))?;
+        Ok(std::process::Output {
+            status,
+            stdout: out_reader.join().unwrap_or_default(),
+            stderr: err_reader.join().unwrap_or_default(),
+        })
+    }
+
+    /// `ctr run --rm` of `image` as container `id` with a runtime (`io.containerd.runc.v2`,
+    /// `io.containerd.microvm.v1`), its cgroup under the instance's parent and its FIFOs in the
+    /// instance's directory, so nothing lands outside the instance.
+    pub fn ctr_run(
+        &self,
+        runtime: &str,
+        image: &str,
+        id: &str,
+        command: &[&str],
+        timeout: Duration,
+    ) -> Result<std::process::Output, ContainerdError> {
+        let fifo_dir = self.dir().join("ctr-fifo");
+        std::fs::create_dir_all(&fifo_dir).map_err(io_err("create the ctr fifo dir"))?;
+        let cgroup = format!("{}/{id}", self.cgroup_parent);
+        let fifo_dir = fifo_dir.to_string_lossy().into_owned();
+        let mut args = vec![
+            "run",
+            "--rm",
+            "--runtime",
+            runtime,
+            "--cgroup",
+            &cgroup,
+            "--fifo-dir",
+            &fifo_dir,
+            image,
+            id,
+        ];
+        args.extend_from_slice(command);
+        self.ctr(&args, timeout)
+    }
+
     /// A pod config for this instance: its cgroup parent, and a fresh log directory under
     /// [`Self::pod_log_root`].
     pub fn pod_config(
@@ -568,6 +633,14 @@ fn reserve_network() -> Result<(u8, File, PathBuf), ContainerdError> {
         }
     }
     Err(ContainerdError::NoFreeNetwork)
+}
+
+fn read_all(pipe: Option<&mut impl io::Read>) -> Vec<u8> {
+    let mut data = Vec::new();
+    if let Some(pipe) = pipe {
+        let _ = pipe.read_to_end(&mut data);
+    }
+    data
 }
 
 fn wait_child(child: &mut Child, timeout: Duration) -> bool {

@@ -292,3 +292,53 @@ async fn microvm_handler_without_its_shim_fails_cleanly() {
         "cgroups left"
     );
 }
+
+/// `ctr run` through the same private containerd (the `ctr run --runtime
+/// io.containerd.microvm.v1` test uses this path): output, exit code, nothing left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctr_run_with_runc_runs_a_container() {
+    let (ctrd, _cri) = start().await;
+    let began = Instant::now();
+    let out = ctrd
+        .ctr_run(
+            "io.containerd.runc.v2",
+            BUSYBOX_IMAGE,
+            "ctr-run-test",
+            &["sh", "-c", "echo from-ctr; exit 0"],
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    eprintln!("ctr run --rm (runc): {:?}", began.elapsed());
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "from-ctr");
+    let exit = ctrd
+        .ctr_run(
+            "io.containerd.runc.v2",
+            BUSYBOX_IMAGE,
+            "ctr-run-exit",
+            &["sh", "-c", "exit 5"],
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    assert_eq!(exit.status.code(), Some(5));
+    let containers = ctrd
+        .ctr(&["containers", "ls", "-q"], Duration::from_secs(30))
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&containers.stdout).trim(),
+        "",
+        "--rm left containers"
+    );
+    wait_no_processes(&ctrd, Duration::from_secs(10));
+    assert_eq!(ctrd.mounts(), Vec::<PathBuf>::new(), "mounts left");
+    assert_eq!(
+        ctrd.leftover_cgroups(),
+        Vec::<PathBuf>::new(),
+        "cgroups left"
+    );
+}
