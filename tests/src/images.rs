@@ -94,13 +94,16 @@ pub fn pause_image(dir: &Path) -> Result<LocalImage, ImageError> {
     let source_hash = &hex_sha256(PAUSE_SOURCE.as_bytes())[..16];
     let binary_path = dir.join(format!("pause-{source_hash}"));
     if !binary_path.is_file() {
-        let source = dir.join(format!("pause-{source_hash}.c"));
+        // Unique names: tests in parallel (threads and processes) may build it at once.
+        let source = unique_tmp(dir, &format!("pause-{source_hash}"), ".c");
         std::fs::write(&source, PAUSE_SOURCE).map_err(io_err("write pause.c"))?;
-        let tmp = dir.join(format!("pause-{source_hash}.{}.tmp", std::process::id()));
-        run(Command::new("gcc")
+        let tmp = unique_tmp(dir, &format!("pause-{source_hash}"), ".tmp");
+        let compiled = run(Command::new("gcc")
             .args(["-static", "-Os", "-s", "-Wall", "-o"])
             .arg(&tmp)
-            .arg(&source))?;
+            .arg(&source));
+        let _ = std::fs::remove_file(&source);
+        compiled?;
         std::fs::rename(&tmp, &binary_path).map_err(io_err("rename pause binary"))?;
     }
     let binary = std::fs::read(&binary_path).map_err(io_err("read pause binary"))?;
@@ -159,6 +162,13 @@ fn run(cmd: &mut Command) -> Result<(), ImageError> {
             ),
         })
     }
+}
+
+/// A file name in `dir` no other thread or process uses: `<base>.<pid>.<n><suffix>`.
+fn unique_tmp(dir: &Path, base: &str, suffix: &str) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    dir.join(format!("{base}.{}.{n}{suffix}", std::process::id()))
 }
 
 fn hex_sha256(data: &[u8]) -> String {
@@ -299,7 +309,7 @@ fn write_image(
         .unwrap_or(false);
     if !unchanged {
         // Written aside and renamed: tests running in parallel never see half a tarball.
-        let tmp = dir.join(format!("{file_name}.{}.tmp", std::process::id()));
+        let tmp = unique_tmp(dir, file_name, ".tmp");
         std::fs::write(&tmp, &tarball).map_err(io_err(format!("write {}", tmp.display())))?;
         std::fs::rename(&tmp, &path).map_err(io_err(format!("rename to {}", path.display())))?;
     }
