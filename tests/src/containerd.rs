@@ -407,6 +407,12 @@ impl PrivateContainerd {
             .collect()
     }
 
+    /// Pids in the cgroups below the instance's cgroup parent (pods' processes, and whatever
+    /// a runtime moved there).
+    pub fn pod_cgroup_pids(&self) -> Vec<i32> {
+        cgroup_pids(&self.cgroup_parent)
+    }
+
     /// Cgroups still present below the instance's cgroup parent, in any hierarchy.
     pub fn leftover_cgroups(&self) -> Vec<PathBuf> {
         let mut found = Vec::new();

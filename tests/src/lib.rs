@@ -8,3 +8,4 @@ pub use shim::test_guest_peer as vsock_peer;
 pub mod containerd;
 pub mod cri;
 pub mod images;
+pub mod lifecycle;

@@ -5,6 +5,7 @@
 use microvm_tests::containerd::{pid_alive, ContainerdOptions, PrivateContainerd};
 use microvm_tests::cri::{container_config, read_cri_log, CriClient};
 use microvm_tests::images::{BUSYBOX_IMAGE, PAUSE_IMAGE};
+use microvm_tests::lifecycle::{pods_host_memory, timed_pod_lifecycle, LifecycleTimings};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -341,4 +342,70 @@ async fn ctr_run_with_runc_runs_a_container() {
         Vec::<PathBuf>::new(),
         "cgroups left"
     );
+}
+
+/// The shared timed lifecycle (what the benchmark runs per handler) with runc, three times, and
+/// the host memory of an idle runc pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runc_timed_lifecycles_and_idle_pod_memory() {
+    let (ctrd, cri) = start().await;
+    let host = host_kernel_release();
+    let mut runs = Vec::new();
+    for i in 0..3 {
+        let outcome =
+            timed_pod_lifecycle(&ctrd, &cri, "runc", &format!("timed-{i}"), HashMap::new())
+                .await
+                .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        assert_eq!(outcome.kernel_release, host);
+        let netns = outcome.netns.expect("a CNI pod has a netns");
+        assert!(!netns.exists(), "netns {} left", netns.display());
+        wait_no_processes(&ctrd, Duration::from_secs(10));
+        assert_eq!(ctrd.mounts(), Vec::<PathBuf>::new(), "mounts left");
+        assert_eq!(
+            ctrd.leftover_cgroups(),
+            Vec::<PathBuf>::new(),
+            "cgroups left"
+        );
+        runs.push(outcome.timings);
+    }
+    let medians = LifecycleTimings::median(&runs);
+    eprintln!(
+        "runc timed lifecycle, median of {}: {}",
+        runs.len(),
+        medians
+            .steps()
+            .iter()
+            .map(|(n, d)| format!("{n}={:.0?}", d))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+
+    // An idle pod: pause plus a busybox sleep.
+    let before = pods_host_memory(&ctrd);
+    let pod = cri
+        .run_pod_sandbox(ctrd.pod_config("idle", HashMap::new()).unwrap(), "runc")
+        .await
+        .unwrap();
+    let id = cri
+        .create_container(
+            &pod,
+            container_config("sleeper", BUSYBOX_IMAGE, &["sleep", "3600"]),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&id).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = pods_host_memory(&ctrd);
+    eprintln!(
+        "runc idle pod host memory: {:.1} MiB (before the pod: {:.1} MiB)",
+        idle as f64 / 1048576.0,
+        before as f64 / 1048576.0
+    );
+    assert!(
+        idle > 1 << 20,
+        "an idle runc pod charges more than 1 MiB: {idle}"
+    );
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    wait_no_processes(&ctrd, Duration::from_secs(10));
 }
