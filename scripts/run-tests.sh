@@ -39,7 +39,7 @@ else
 fi
 
 echo "== leftovers"
-left=$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|microvm-agent' || true)
+left=$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|microvm-agent|containerd-shim|containerd --config /tmp/microvm-ctrd' || true)
 if [ -n "$left" ]; then
   echo "processes left behind by the tests:" >&2
   echo "$left" >&2
