@@ -12,8 +12,11 @@ target_dir=${CARGO_TARGET_DIR:-$repo/target}
 out_dir=$repo/build
 out=$out_dir/initrd.cpio
 
-# --target keeps build scripts dynamic while the agent itself is linked statically (glibc).
+# --target keeps build scripts dynamic while the agent itself is linked statically (glibc);
+# libseccomp (for the containers' seccomp filters) is linked statically from Debian's
+# libseccomp-dev.
 (cd "$repo" && RUSTFLAGS='-C target-feature=+crt-static -C strip=symbols' \
+  LIBSECCOMP_LINK_TYPE=static LIBSECCOMP_LIB_PATH=${LIBSECCOMP_LIB_PATH:-/usr/lib/x86_64-linux-gnu} \
   cargo build --release --locked -p guest-agent --target "$triple" >&2)
 agent=$target_dir/$triple/release/microvm-agent
 [[ -x $agent ]] || { echo "build-initrd: no agent binary at $agent" >&2; exit 1; }

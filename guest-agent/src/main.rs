@@ -8,15 +8,19 @@
 //! `--listen unix:///path` or the default vsock address, and exits 0 after a Shutdown.
 
 mod check;
+mod containers;
 mod init;
 mod logger;
+mod oom;
 mod power;
 mod reaper;
 mod server;
 mod service;
+mod stdio;
 
 use std::io::Write;
-use std::sync::mpsc;
+use std::path::PathBuf;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -26,33 +30,65 @@ use crate::service::AgentService;
 /// Time for the Shutdown reply to leave before the VM goes away.
 const SHUTDOWN_REPLY_GRACE: Duration = Duration::from_millis(100);
 
-/// The listening address from `--listen ADDR` / `--listen=ADDR`; other arguments are ignored
-/// (the kernel passes unknown command-line words to init).
-fn listen_address(args: impl IntoIterator<Item = String>) -> String {
+/// Where the agent keeps container state (libcontainer's and the bundles) unless
+/// `--state-dir` says otherwise.
+const DEFAULT_STATE_DIR: &str = "/run/microvm";
+
+/// The value of `--NAME VALUE` / `--NAME=VALUE`; other arguments are ignored (the kernel passes
+/// unknown command-line words to init).
+fn option(args: impl IntoIterator<Item = String>, name: &str) -> Option<String> {
     let mut args = args.into_iter();
-    let mut address = None;
+    let flag = format!("--{name}");
+    let with_eq = format!("--{name}=");
+    let mut value = None;
     while let Some(arg) = args.next() {
-        if arg == "--listen" {
-            address = args.next();
-        } else if let Some(value) = arg.strip_prefix("--listen=") {
-            address = Some(value.to_owned());
+        if arg == flag {
+            value = args.next();
+        } else if let Some(v) = arg.strip_prefix(&with_eq) {
+            value = Some(v.to_owned());
         }
     }
-    address.unwrap_or_else(server::default_address)
+    value
+}
+
+/// The stdio address when `--stdio-listen` is not given: vsock port 1025 next to a vsock
+/// listener, `unix://<path>.stdio` next to a `unix://<path>` one.
+fn stdio_default(listen: &str) -> String {
+    match listen.strip_prefix("unix://") {
+        Some(path) => format!("unix://{path}.stdio"),
+        None => stdio::default_address(),
+    }
+}
+
+/// The ttrpc address from `--listen ADDR`.
+fn listen_address(args: impl IntoIterator<Item = String>) -> String {
+    option(args, "listen").unwrap_or_else(server::default_address)
 }
 
 fn run(pid1: bool) -> anyhow::Result<()> {
+    // Before any thread exists, so that every thread inherits the blocked SIGCHLD.
+    reaper::block_sigchld()?;
     if pid1 {
-        // Before any thread exists, so that every thread inherits the blocked SIGCHLD.
-        reaper::block_sigchld()?;
         init::setup_system()?;
+    } else {
+        // The containers' processes are our children (libcontainer clones with CLONE_PARENT);
+        // orphans of theirs come to us too, as to PID 1.
+        reaper::become_subreaper().context("becoming a child subreaper")?;
     }
-    let address = listen_address(std::env::args().skip(1));
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let address = listen_address(args.clone());
+    let stdio_address =
+        option(args.clone(), "stdio-listen").unwrap_or_else(|| stdio_default(&address));
+    let state_dir =
+        PathBuf::from(option(args, "state-dir").unwrap_or_else(|| DEFAULT_STATE_DIR.to_owned()));
+    reaper::spawn()?;
+    let containers = Arc::new(containers::Containers::new(&state_dir));
+    stdio::serve(&stdio_address, containers.clone())?;
+    let oom = Arc::new(oom::OomEvents::default());
+    oom.watch(containers.clone())
+        .context("starting the OOM watcher")?;
     let (shutdown_tx, shutdown_rx) = mpsc::channel();
-    let _server = server::start(&address, AgentService::new(shutdown_tx))?;
-    if pid1 {
-        reaper::spawn()?;
-    }
+    let _server = server::start(&address, AgentService::new(shutdown_tx, containers, oom))?;
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "{}", server::ready_line(&address)).context("printing the ready line")?;
     stdout.flush().context("printing the ready line")?;
@@ -116,5 +152,15 @@ mod tests {
             "unix:///tmp/a"
         );
         assert_eq!(listen_address(args(&["--listen=unix:///b"])), "unix:///b");
+        assert_eq!(
+            option(
+                args(&["--listen=a", "--stdio-listen", "unix:///s"]),
+                "stdio-listen"
+            ),
+            Some("unix:///s".to_owned())
+        );
+        assert_eq!(option(args(&["--listen=a"]), "state-dir"), None);
+        assert_eq!(stdio_default("unix:///a/b.sock"), "unix:///a/b.sock.stdio");
+        assert_eq!(stdio_default("vsock://-1:1024"), "vsock://-1:1025");
     }
 }

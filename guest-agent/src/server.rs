@@ -28,6 +28,9 @@ pub enum ServerError {
     },
 }
 
+/// Handler threads per connection: WaitProcess and GetOomEvent each hold one while they block.
+const MAX_HANDLER_THREADS: usize = 128;
+
 /// Binds `address` and starts serving; returns once the socket listens.
 pub fn start(address: &str, service: AgentService) -> Result<ttrpc::Server, ServerError> {
     let mut server = ttrpc::Server::new()
@@ -36,6 +39,7 @@ pub fn start(address: &str, service: AgentService) -> Result<ttrpc::Server, Serv
             address: address.to_owned(),
             source,
         })?
+        .set_thread_count_max(MAX_HANDLER_THREADS)
         .register_service(create_agent(Arc::new(service)));
     server.start().map_err(|source| ServerError::Start {
         address: address.to_owned(),
@@ -70,6 +74,15 @@ mod tests {
         ttrpc::context::with_duration(Duration::from_secs(10))
     }
 
+    fn test_service(tx: mpsc::Sender<ShutdownRequested>) -> AgentService {
+        let state = std::env::temp_dir().join(format!("agent-server-state-{}", std::process::id()));
+        AgentService::new(
+            tx,
+            Arc::new(crate::containers::Containers::new(&state)),
+            Arc::new(crate::oom::OomEvents::default()),
+        )
+    }
+
     #[test]
     fn ready_line_names_the_vsock_port() {
         assert_eq!(
@@ -90,7 +103,7 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let address = format!("unix://{}", path.display());
         let (tx, rx) = mpsc::channel();
-        let server = start(&address, AgentService::new(tx)).expect("server starts");
+        let server = start(&address, test_service(tx)).expect("server starts");
 
         let client = AgentClient::new(ttrpc::Client::connect(&address).expect("connect"));
         let resp = client.check(ctx(), &CheckRequest::new()).expect("check");
@@ -138,7 +151,7 @@ mod tests {
         unsafe { libc::close(probe) };
         let port = 40_000 + std::process::id() % 20_000;
         let (tx, _rx) = mpsc::channel();
-        let server = start(&format!("vsock://-1:{port}"), AgentService::new(tx))
+        let server = start(&format!("vsock://-1:{port}"), test_service(tx))
             .expect("bind vsock with VMADDR_CID_ANY");
         server.shutdown();
     }

@@ -1,11 +1,22 @@
 //! The `Agent` ttrpc service: Check answers from [`crate::check`]; Shutdown replies and asks the
-//! main thread, through a channel, to end the VM once the reply is on its way.
+//! main thread, through a channel, to end the VM once the reply is on its way; the container
+//! calls go to [`crate::containers`].
 
 use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::Duration;
 
-use agent_protocol::agent::{CheckRequest, CheckResponse, ShutdownRequest, ShutdownResponse};
+use agent_protocol::agent::*;
 use agent_protocol::agent_ttrpc::Agent;
 use ttrpc::{Code, TtrpcContext};
+
+use crate::containers::{ContainerError, Containers, StdioRequest};
+use crate::oom::OomEvents;
+
+/// Longest a blocking call (WaitProcess, GetOomEvent) waits when the caller set no timeout.
+const DEFAULT_LONG_POLL: Duration = Duration::from_secs(60);
+/// Answer a blocking call this much before the caller's deadline.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
 
 /// Sent to the main thread when the host asked for a shutdown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,16 +24,50 @@ pub struct ShutdownRequested;
 
 pub struct AgentService {
     shutdown: Sender<ShutdownRequested>,
+    containers: Arc<Containers>,
+    oom: Arc<OomEvents>,
 }
 
 impl AgentService {
-    pub fn new(shutdown: Sender<ShutdownRequested>) -> Self {
-        Self { shutdown }
+    pub fn new(
+        shutdown: Sender<ShutdownRequested>,
+        containers: Arc<Containers>,
+        oom: Arc<OomEvents>,
+    ) -> Self {
+        Self {
+            shutdown,
+            containers,
+            oom,
+        }
     }
 }
 
 fn rpc_error(code: Code, message: impl ToString) -> ttrpc::Error {
     ttrpc::Error::RpcStatus(ttrpc::get_status(code, message))
+}
+
+fn failed(method: &str, err: ContainerError) -> ttrpc::Error {
+    log::warn!("{method}: {err}");
+    rpc_error(err.code(), err)
+}
+
+fn stdio(req: Option<&Stdio>) -> StdioRequest {
+    req.map(|s| StdioRequest {
+        terminal: s.terminal,
+        stdin: s.stdin,
+        stdout: s.stdout,
+        stderr: s.stderr,
+    })
+    .unwrap_or_default()
+}
+
+/// How long a blocking call may wait: the caller's timeout minus a margin.
+fn long_poll(ctx: &TtrpcContext) -> Duration {
+    if ctx.timeout_nano <= 0 {
+        return DEFAULT_LONG_POLL;
+    }
+    Duration::from_nanos(u64::try_from(ctx.timeout_nano).unwrap_or(0))
+        .saturating_sub(DEADLINE_MARGIN)
 }
 
 impl Agent for AgentService {
@@ -51,5 +96,215 @@ impl Agent for AgentService {
             .send(ShutdownRequested)
             .map_err(|_| rpc_error(Code::UNAVAILABLE, "the agent is already stopping"))?;
         Ok(ShutdownResponse::new())
+    }
+
+    fn create_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: CreateContainerRequest,
+    ) -> ttrpc::Result<CreateContainerResponse> {
+        let pid = self
+            .containers
+            .create(
+                &req.container_id,
+                &req.oci_spec_json,
+                stdio(req.stdio.as_ref()),
+            )
+            .map_err(|e| failed("CreateContainer", e))?;
+        log::info!("container {} created (pid {pid})", req.container_id);
+        Ok(CreateContainerResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    fn start_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: StartContainerRequest,
+    ) -> ttrpc::Result<StartContainerResponse> {
+        let pid = self
+            .containers
+            .start(&req.container_id)
+            .map_err(|e| failed("StartContainer", e))?;
+        Ok(StartContainerResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    fn exec_process(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ExecProcessRequest,
+    ) -> ttrpc::Result<ExecProcessResponse> {
+        self.containers
+            .add_exec(
+                &req.container_id,
+                &req.exec_id,
+                &req.process_json,
+                stdio(req.stdio.as_ref()),
+            )
+            .map_err(|e| failed("ExecProcess", e))?;
+        Ok(ExecProcessResponse::new())
+    }
+
+    fn start_exec(
+        &self,
+        _ctx: &TtrpcContext,
+        req: StartExecRequest,
+    ) -> ttrpc::Result<StartExecResponse> {
+        let pid = self
+            .containers
+            .start_exec(&req.container_id, &req.exec_id)
+            .map_err(|e| failed("StartExec", e))?;
+        Ok(StartExecResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    fn signal_process(
+        &self,
+        _ctx: &TtrpcContext,
+        req: SignalProcessRequest,
+    ) -> ttrpc::Result<SignalProcessResponse> {
+        self.containers
+            .signal(&req.container_id, &req.exec_id, req.signal, req.all)
+            .map_err(|e| failed("SignalProcess", e))?;
+        Ok(SignalProcessResponse::new())
+    }
+
+    fn wait_process(
+        &self,
+        ctx: &TtrpcContext,
+        req: WaitProcessRequest,
+    ) -> ttrpc::Result<WaitProcessResponse> {
+        let cell = self
+            .containers
+            .exit_cell(&req.container_id, &req.exec_id)
+            .map_err(|e| failed("WaitProcess", e))?;
+        let status = cell
+            .wait(long_poll(ctx))
+            .ok_or_else(|| rpc_error(Code::DEADLINE_EXCEEDED, "the process is still running"))?;
+        Ok(WaitProcessResponse {
+            exit_status: status.code,
+            exited_at_unix_nanos: status.at_unix_nanos,
+            ..Default::default()
+        })
+    }
+
+    fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ResizePtyRequest,
+    ) -> ttrpc::Result<ResizePtyResponse> {
+        self.containers
+            .resize(&req.container_id, &req.exec_id, req.width, req.height)
+            .map_err(|e| failed("ResizePty", e))?;
+        Ok(ResizePtyResponse::new())
+    }
+
+    fn close_stdin(
+        &self,
+        _ctx: &TtrpcContext,
+        req: CloseStdinRequest,
+    ) -> ttrpc::Result<CloseStdinResponse> {
+        self.containers
+            .close_stdin(&req.container_id, &req.exec_id)
+            .map_err(|e| failed("CloseStdin", e))?;
+        Ok(CloseStdinResponse::new())
+    }
+
+    fn list_pids(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ListPidsRequest,
+    ) -> ttrpc::Result<ListPidsResponse> {
+        let pids = self
+            .containers
+            .pids(&req.container_id)
+            .map_err(|e| failed("ListPids", e))?;
+        Ok(ListPidsResponse {
+            pids,
+            ..Default::default()
+        })
+    }
+
+    fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {
+        let s = self
+            .containers
+            .stats(&req.container_id)
+            .map_err(|e| failed("Stats", e))?;
+        Ok(StatsResponse {
+            cpu_usage_usec: s.cpu_usage_usec,
+            cpu_user_usec: s.cpu_user_usec,
+            cpu_system_usec: s.cpu_system_usec,
+            memory_usage_bytes: s.memory_usage_bytes,
+            memory_limit_bytes: s.memory_limit_bytes,
+            pids_current: s.pids_current,
+            oom_kills: s.oom_kills,
+            ..Default::default()
+        })
+    }
+
+    fn update_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: UpdateContainerRequest,
+    ) -> ttrpc::Result<UpdateContainerResponse> {
+        self.containers
+            .update(&req.container_id, &req.resources_json)
+            .map_err(|e| failed("UpdateContainer", e))?;
+        Ok(UpdateContainerResponse::new())
+    }
+
+    fn pause_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: PauseContainerRequest,
+    ) -> ttrpc::Result<PauseContainerResponse> {
+        self.containers
+            .pause(&req.container_id)
+            .map_err(|e| failed("PauseContainer", e))?;
+        Ok(PauseContainerResponse::new())
+    }
+
+    fn resume_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ResumeContainerRequest,
+    ) -> ttrpc::Result<ResumeContainerResponse> {
+        self.containers
+            .resume(&req.container_id)
+            .map_err(|e| failed("ResumeContainer", e))?;
+        Ok(ResumeContainerResponse::new())
+    }
+
+    fn remove_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: RemoveContainerRequest,
+    ) -> ttrpc::Result<RemoveContainerResponse> {
+        self.containers
+            .remove(&req.container_id)
+            .map_err(|e| failed("RemoveContainer", e))?;
+        log::info!("container {} removed", req.container_id);
+        Ok(RemoveContainerResponse::new())
+    }
+
+    fn get_oom_event(
+        &self,
+        ctx: &TtrpcContext,
+        _req: GetOomEventRequest,
+    ) -> ttrpc::Result<GetOomEventResponse> {
+        let container_id = self
+            .oom
+            .next(long_poll(ctx))
+            .ok_or_else(|| rpc_error(Code::DEADLINE_EXCEEDED, "no OOM event"))?;
+        Ok(GetOomEventResponse {
+            container_id,
+            ..Default::default()
+        })
     }
 }

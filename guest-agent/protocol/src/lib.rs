@@ -10,6 +10,11 @@ include!(concat!(env!("OUT_DIR"), "/mod.rs"));
 /// The vsock port the agent listens on inside the guest.
 pub const AGENT_VSOCK_PORT: u32 = 1024;
 
+/// The vsock port of the agent's stdio streams (see [`stdio`]).
+pub const AGENT_STDIO_PORT: u32 = 1025;
+
+pub mod stdio;
+
 #[cfg(test)]
 mod tests {
     use super::agent::{CheckResponse, ShutdownResponse};
@@ -39,7 +44,22 @@ mod tests {
             paths,
             [
                 "/microvm.agent.v1.Agent/Check",
-                "/microvm.agent.v1.Agent/Shutdown"
+                "/microvm.agent.v1.Agent/CloseStdin",
+                "/microvm.agent.v1.Agent/CreateContainer",
+                "/microvm.agent.v1.Agent/ExecProcess",
+                "/microvm.agent.v1.Agent/GetOomEvent",
+                "/microvm.agent.v1.Agent/ListPids",
+                "/microvm.agent.v1.Agent/PauseContainer",
+                "/microvm.agent.v1.Agent/RemoveContainer",
+                "/microvm.agent.v1.Agent/ResizePty",
+                "/microvm.agent.v1.Agent/ResumeContainer",
+                "/microvm.agent.v1.Agent/Shutdown",
+                "/microvm.agent.v1.Agent/SignalProcess",
+                "/microvm.agent.v1.Agent/StartContainer",
+                "/microvm.agent.v1.Agent/StartExec",
+                "/microvm.agent.v1.Agent/Stats",
+                "/microvm.agent.v1.Agent/UpdateContainer",
+                "/microvm.agent.v1.Agent/WaitProcess",
             ]
         );
         assert_eq!(ShutdownResponse::new().compute_size(), 0);

@@ -1,0 +1,791 @@
+//! Containers inside the guest, run with youki's `libcontainer` from their OCI spec.
+//!
+//! State: libcontainer's under `<state>/containers/<id>`, our bundles (the spec as config.json,
+//! exec process files) under `<state>/bundles/<id>`. Each container's cgroup is
+//! `/sys/fs/cgroup/microvm/<id>` whatever the spec says (the host's cgroup paths mean nothing in
+//! the guest). Every process the agent starts is registered with the reaper under its lock (see
+//! [`crate::reaper`]), so exit statuses are exact.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agent_protocol::stdio::valid_id;
+use libcontainer::container::builder::ContainerBuilder;
+use libcontainer::container::Container;
+use libcontainer::syscall::syscall::SyscallType;
+use libcontainer::workload::default::DefaultExecutor;
+use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
+use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Process, Spec};
+
+use crate::reaper::{self, ExitCell};
+use crate::stdio::{StreamLookup, Streams};
+
+/// Where container cgroups live, under the cgroup2 root.
+const CGROUP_PARENT: &str = "/microvm";
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// Time for libcontainer's init to hand over the pty master.
+const CONSOLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerError {
+    #[error("invalid id {0:?}")]
+    BadId(String),
+    #[error("container {0} already exists")]
+    Exists(String),
+    #[error("no container {0}")]
+    NoContainer(String),
+    #[error("no exec {exec_id:?} in container {container_id}")]
+    NoExec {
+        container_id: String,
+        exec_id: String,
+    },
+    #[error("exec {0:?} already exists")]
+    ExecExists(String),
+    #[error("process {0:?} was already started")]
+    AlreadyStarted(String),
+    #[error("process {0:?} has not been started")]
+    NotStarted(String),
+    #[error("invalid {what} JSON: {source}")]
+    Json {
+        what: &'static str,
+        source: serde_json::Error,
+    },
+    #[error("invalid spec: {0}")]
+    Spec(String),
+    #[error("{what}: {source}")]
+    Io { what: String, source: io::Error },
+    #[error("{0}")]
+    Stdio(#[from] crate::stdio::StdioError),
+    #[error("{what}: {source}")]
+    Runtime {
+        what: &'static str,
+        source: libcontainer::error::LibcontainerError,
+    },
+    #[error("updating cgroup: {0}")]
+    Cgroup(String),
+    #[error("sending signal {signal}: {source}")]
+    Signal { signal: u32, source: io::Error },
+    #[error("the process has no terminal")]
+    NoTerminal,
+}
+
+impl ContainerError {
+    /// The ttrpc code that fits.
+    pub fn code(&self) -> ttrpc::Code {
+        match self {
+            Self::BadId(_) | Self::Json { .. } | Self::Spec(_) | Self::NoTerminal => {
+                ttrpc::Code::INVALID_ARGUMENT
+            }
+            Self::Exists(_) | Self::ExecExists(_) => ttrpc::Code::ALREADY_EXISTS,
+            Self::NoContainer(_) | Self::NoExec { .. } => ttrpc::Code::NOT_FOUND,
+            Self::AlreadyStarted(_) | Self::NotStarted(_) => ttrpc::Code::FAILED_PRECONDITION,
+            _ => ttrpc::Code::INTERNAL,
+        }
+    }
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ContainerError {
+    let what = what.into();
+    move |source| ContainerError::Io { what, source }
+}
+
+/// What libcontainer runs in the container's process right before the user program: undoes the
+/// agent's own signal state (SIGCHLD blocked for the reaper, SIGPIPE ignored by Rust's runtime),
+/// which a clone inherits, then execs like libcontainer's default.
+#[derive(Clone)]
+struct AgentExecutor;
+
+impl Executor for AgentExecutor {
+    fn exec(&self, spec: &Spec) -> Result<(), ExecutorError> {
+        // SAFETY: resetting the mask and SIGPIPE's disposition in the single-threaded child
+        // just before exec; the set is initialised by sigemptyset.
+        unsafe {
+            let mut empty = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+            libc::sigemptyset(empty.as_mut_ptr());
+            libc::sigprocmask(libc::SIG_SETMASK, empty.as_ptr(), std::ptr::null_mut());
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+        DefaultExecutor {}.exec(spec)
+    }
+
+    fn validate(&self, spec: &Spec) -> Result<(), ExecutorValidationError> {
+        DefaultExecutor {}.validate(spec)
+    }
+}
+
+/// Which stdio streams the host will attach.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StdioRequest {
+    pub terminal: bool,
+    pub stdin: bool,
+    pub stdout: bool,
+    pub stderr: bool,
+}
+
+/// One process: the init or an exec.
+pub struct Proc {
+    pub streams: Arc<Streams>,
+    pub exit: Arc<ExitCell>,
+    pid: Mutex<Option<libc::pid_t>>,
+    terminal: bool,
+    /// Exec only: the OCI process and its child stdio, until StartExec.
+    pending: Mutex<Option<(Process, Option<crate::stdio::ChildStdio>)>>,
+}
+
+impl Proc {
+    pub fn pid(&self) -> Option<libc::pid_t> {
+        *self.pid.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+struct Entry {
+    runtime: Mutex<Container>,
+    init: Arc<Proc>,
+    execs: Mutex<HashMap<String, Arc<Proc>>>,
+    bundle: PathBuf,
+}
+
+/// Cgroup v2 figures of one container.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub cpu_usage_usec: u64,
+    pub cpu_user_usec: u64,
+    pub cpu_system_usec: u64,
+    pub memory_usage_bytes: u64,
+    pub memory_limit_bytes: u64,
+    pub pids_current: u64,
+    pub oom_kills: u64,
+}
+
+pub struct Containers {
+    state_root: PathBuf,
+    bundle_root: PathBuf,
+    entries: Mutex<HashMap<String, Arc<Entry>>>,
+}
+
+fn check_id(id: &str) -> Result<(), ContainerError> {
+    if valid_id(id) {
+        Ok(())
+    } else {
+        Err(ContainerError::BadId(id.to_owned()))
+    }
+}
+
+pub fn cgroup_dir(container_id: &str) -> PathBuf {
+    Path::new(CGROUP_ROOT)
+        .join(CGROUP_PARENT.trim_start_matches('/'))
+        .join(container_id)
+}
+
+fn ns_file(kind: LinuxNamespaceType) -> &'static str {
+    match kind {
+        LinuxNamespaceType::Mount => "mnt",
+        LinuxNamespaceType::Cgroup => "cgroup",
+        LinuxNamespaceType::Uts => "uts",
+        LinuxNamespaceType::Ipc => "ipc",
+        LinuxNamespaceType::User => "user",
+        LinuxNamespaceType::Pid => "pid",
+        LinuxNamespaceType::Network => "net",
+        LinuxNamespaceType::Time => "time",
+    }
+}
+
+/// Binds a console socket, runs `build`, then receives the pty master libcontainer's init sends.
+fn with_console<T>(
+    dir: &Path,
+    build: impl FnOnce(Option<&Path>) -> Result<T, ContainerError>,
+    terminal: bool,
+) -> Result<(T, Option<File>), ContainerError> {
+    if !terminal {
+        return build(None).map(|t| (t, None));
+    }
+    let path = dir.join(format!("console-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).map_err(io_err("binding the console socket"))?;
+    let built = build(Some(&path));
+    let _ = std::fs::remove_file(&path);
+    let built = built?;
+    let master = receive_fd(&listener).map_err(io_err("receiving the pty master"))?;
+    Ok((built, Some(File::from(master))))
+}
+
+fn receive_fd(listener: &UnixListener) -> io::Result<OwnedFd> {
+    listener.set_nonblocking(true)?;
+    let deadline = Instant::now() + CONSOLE_TIMEOUT;
+    let stream = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(CONSOLE_TIMEOUT))?;
+    let mut buf = [0u8; 4096];
+    let mut iov = [io::IoSliceMut::new(&mut buf)];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let msg = nix::sys::socket::recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        nix::sys::socket::MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .map_err(io::Error::from)?;
+    for cmsg in msg.cmsgs().map_err(io::Error::from)? {
+        if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = cmsg {
+            let owned: Vec<OwnedFd> = fds
+                .into_iter()
+                .map(|fd| {
+                    // SAFETY: SCM_RIGHTS delivered these fds to us; nobody else owns them.
+                    unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+                })
+                .collect();
+            if let Some(first) = owned.into_iter().next() {
+                return Ok(first);
+            }
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidData,
+        "no fd in the console message",
+    ))
+}
+
+impl Containers {
+    pub fn new(state_dir: &Path) -> Self {
+        Self {
+            state_root: state_dir.join("containers"),
+            bundle_root: state_dir.join("bundles"),
+            entries: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn entry(&self, id: &str) -> Result<Arc<Entry>, ContainerError> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ContainerError::NoContainer(id.to_owned()))
+    }
+
+    fn process(&self, id: &str, exec_id: &str) -> Result<(Arc<Entry>, Arc<Proc>), ContainerError> {
+        let entry = self.entry(id)?;
+        if exec_id.is_empty() {
+            let init = entry.init.clone();
+            return Ok((entry, init));
+        }
+        let proc = entry
+            .execs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(exec_id)
+            .cloned()
+            .ok_or_else(|| ContainerError::NoExec {
+                container_id: id.to_owned(),
+                exec_id: exec_id.to_owned(),
+            })?;
+        Ok((entry, proc))
+    }
+
+    /// Resolves `container:<id>` namespace paths and sets the agent's cgroup path.
+    fn rewrite_spec(&self, id: &str, spec: &mut Spec) -> Result<(), ContainerError> {
+        let mut linux = spec.linux().clone().unwrap_or_default();
+        linux.set_cgroups_path(Some(PathBuf::from(format!("{CGROUP_PARENT}/{id}"))));
+        if let Some(namespaces) = linux.namespaces().clone() {
+            let mut out = Vec::with_capacity(namespaces.len());
+            for mut ns in namespaces {
+                let target = ns
+                    .path()
+                    .as_ref()
+                    .and_then(|p| p.to_str())
+                    .and_then(|p| p.strip_prefix("container:"))
+                    .map(str::to_owned);
+                if let Some(other) = target {
+                    let pid = self
+                        .entry(&other)
+                        .ok()
+                        .and_then(|e| e.init.pid())
+                        .filter(|_| true)
+                        .ok_or_else(|| {
+                            ContainerError::Spec(format!(
+                                "namespace path container:{other}: no such running container"
+                            ))
+                        })?;
+                    ns.set_path(Some(PathBuf::from(format!(
+                        "/proc/{pid}/ns/{}",
+                        ns_file(ns.typ())
+                    ))));
+                }
+                out.push(ns);
+            }
+            linux.set_namespaces(Some(out));
+        }
+        spec.set_linux(Some(linux));
+        Ok(())
+    }
+
+    pub fn create(
+        &self,
+        id: &str,
+        spec_json: &[u8],
+        stdio: StdioRequest,
+    ) -> Result<u32, ContainerError> {
+        check_id(id)?;
+        if self.entry(id).is_ok() {
+            return Err(ContainerError::Exists(id.to_owned()));
+        }
+        let mut spec: Spec =
+            serde_json::from_slice(spec_json).map_err(|source| ContainerError::Json {
+                what: "OCI spec",
+                source,
+            })?;
+        self.rewrite_spec(id, &mut spec)?;
+        let mut process = spec
+            .process()
+            .clone()
+            .ok_or_else(|| ContainerError::Spec("no process".into()))?;
+        process.set_terminal(Some(stdio.terminal));
+        spec.set_process(Some(process));
+
+        let bundle = self.bundle_root.join(id);
+        std::fs::create_dir_all(&bundle).map_err(io_err("creating the bundle"))?;
+        std::fs::create_dir_all(&self.state_root).map_err(io_err("creating the state root"))?;
+        let result = self.create_in(id, &bundle, &spec, stdio);
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&bundle);
+            let _ = std::fs::remove_dir_all(self.state_root.join(id));
+            let _ = std::fs::remove_dir(cgroup_dir(id));
+        }
+        result
+    }
+
+    fn create_in(
+        &self,
+        id: &str,
+        bundle: &Path,
+        spec: &Spec,
+        stdio: StdioRequest,
+    ) -> Result<u32, ContainerError> {
+        spec.save(bundle.join("config.json"))
+            .map_err(|e| ContainerError::Spec(e.to_string()))?;
+        let (streams, child) =
+            Streams::new(stdio.terminal, stdio.stdin, stdio.stdout, stdio.stderr)?;
+        let exit = Arc::new(ExitCell::default());
+        let ((container, pid), master) = with_console(
+            bundle,
+            |console| {
+                let mut builder = ContainerBuilder::new(id.to_owned(), SyscallType::default())
+                    .with_root_path(&self.state_root)
+                    .map_err(|source| ContainerError::Runtime {
+                        what: "state root",
+                        source,
+                    })?
+                    .with_executor(AgentExecutor)
+                    .with_console_socket(console);
+                if let Some(child) = child {
+                    builder = builder
+                        .with_stdin(child.stdin)
+                        .with_stdout(child.stdout)
+                        .with_stderr(child.stderr);
+                }
+                let mut table = reaper::processes();
+                let container = builder
+                    .as_init(bundle)
+                    .with_systemd(false)
+                    .with_detach(true)
+                    .build()
+                    .map_err(|source| ContainerError::Runtime {
+                        what: "creating the container",
+                        source,
+                    })?;
+                let pid = container
+                    .pid()
+                    .ok_or_else(|| ContainerError::Spec("no init pid after create".into()))?
+                    .as_raw();
+                table.insert(pid, exit.clone());
+                Ok((container, pid))
+            },
+            stdio.terminal,
+        )?;
+        if let Some(master) = master {
+            streams
+                .set_pty(master)
+                .map_err(io_err("sharing the pty master"))?;
+        }
+        let init = Arc::new(Proc {
+            streams,
+            exit,
+            pid: Mutex::new(Some(pid)),
+            terminal: stdio.terminal,
+            pending: Mutex::new(None),
+        });
+        let entry = Arc::new(Entry {
+            runtime: Mutex::new(container),
+            init,
+            execs: Mutex::new(HashMap::new()),
+            bundle: bundle.to_owned(),
+        });
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned(), entry);
+        u32::try_from(pid).map_err(|_| ContainerError::Spec("negative pid".into()))
+    }
+
+    pub fn start(&self, id: &str) -> Result<u32, ContainerError> {
+        let entry = self.entry(id)?;
+        entry
+            .runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .start()
+            .map_err(|source| ContainerError::Runtime {
+                what: "starting the container",
+                source,
+            })?;
+        let pid = entry.init.pid().unwrap_or(0);
+        Ok(u32::try_from(pid).unwrap_or(0))
+    }
+
+    pub fn add_exec(
+        &self,
+        id: &str,
+        exec_id: &str,
+        process_json: &[u8],
+        stdio: StdioRequest,
+    ) -> Result<(), ContainerError> {
+        check_id(exec_id)?;
+        let entry = self.entry(id)?;
+        let mut process: Process =
+            serde_json::from_slice(process_json).map_err(|source| ContainerError::Json {
+                what: "OCI process",
+                source,
+            })?;
+        process.set_terminal(Some(stdio.terminal));
+        let mut execs = entry.execs.lock().unwrap_or_else(|e| e.into_inner());
+        if execs.contains_key(exec_id) {
+            return Err(ContainerError::ExecExists(exec_id.to_owned()));
+        }
+        let (streams, child) =
+            Streams::new(stdio.terminal, stdio.stdin, stdio.stdout, stdio.stderr)?;
+        execs.insert(
+            exec_id.to_owned(),
+            Arc::new(Proc {
+                streams,
+                exit: Arc::new(ExitCell::default()),
+                pid: Mutex::new(None),
+                terminal: stdio.terminal,
+                pending: Mutex::new(Some((process, child))),
+            }),
+        );
+        Ok(())
+    }
+
+    pub fn start_exec(&self, id: &str, exec_id: &str) -> Result<u32, ContainerError> {
+        check_id(exec_id)?;
+        let (entry, proc) = self.process(id, exec_id)?;
+        let (process, child) = proc
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| ContainerError::AlreadyStarted(exec_id.to_owned()))?;
+        let process_path = entry.bundle.join(format!("exec-{exec_id}.json"));
+        let text = serde_json::to_vec(&process).map_err(|source| ContainerError::Json {
+            what: "OCI process",
+            source,
+        })?;
+        std::fs::write(&process_path, text).map_err(io_err("writing the exec process"))?;
+        let result = with_console(
+            &entry.bundle,
+            |console| {
+                let mut builder = ContainerBuilder::new(id.to_owned(), SyscallType::default())
+                    .with_root_path(&self.state_root)
+                    .map_err(|source| ContainerError::Runtime {
+                        what: "state root",
+                        source,
+                    })?
+                    .with_executor(AgentExecutor)
+                    .with_console_socket(console);
+                if let Some(child) = child {
+                    builder = builder
+                        .with_stdin(child.stdin)
+                        .with_stdout(child.stdout)
+                        .with_stderr(child.stderr);
+                }
+                let mut table = reaper::processes();
+                let pid = builder
+                    .as_tenant()
+                    .with_process(Some(&process_path))
+                    .with_detach(true)
+                    .build()
+                    .map_err(|source| ContainerError::Runtime {
+                        what: "starting the exec process",
+                        source,
+                    })?
+                    .as_raw();
+                table.insert(pid, proc.exit.clone());
+                *proc.pid.lock().unwrap_or_else(|e| e.into_inner()) = Some(pid);
+                Ok(pid)
+            },
+            proc.terminal,
+        );
+        let _ = std::fs::remove_file(&process_path);
+        let (pid, master) = result.inspect_err(|_| {
+            // A failed exec is forgotten, so that the shim can report it and retry cleanly.
+            entry
+                .execs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(exec_id);
+        })?;
+        if let Some(master) = master {
+            proc.streams
+                .set_pty(master)
+                .map_err(io_err("sharing the pty master"))?;
+        }
+        Ok(u32::try_from(pid).unwrap_or(0))
+    }
+
+    pub fn signal(
+        &self,
+        id: &str,
+        exec_id: &str,
+        signal: u32,
+        all: bool,
+    ) -> Result<(), ContainerError> {
+        let (entry, proc) = self.process(id, exec_id)?;
+        let signo = libc::c_int::try_from(signal)
+            .ok()
+            .filter(|s| (1..=64).contains(s))
+            .ok_or_else(|| ContainerError::Spec(format!("no signal {signal}")))?;
+        if all && exec_id.is_empty() {
+            let sig = nix::sys::signal::Signal::try_from(signo)
+                .map_err(|_| ContainerError::Spec(format!("no signal {signal}")))?;
+            return entry
+                .runtime
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .kill(sig, true)
+                .map_err(|source| ContainerError::Runtime {
+                    what: "signalling the container",
+                    source,
+                });
+        }
+        // Holding the reaper's lock: an unreaped pid cannot be reused under us.
+        let _table = reaper::processes();
+        if proc.exit.get().is_some() {
+            return Ok(());
+        }
+        let pid = proc
+            .pid()
+            .ok_or_else(|| ContainerError::NotStarted(exec_id.to_owned()))?;
+        // SAFETY: kill(2) on a live (unreaped) child of ours.
+        if unsafe { libc::kill(pid, signo) } != 0 {
+            return Err(ContainerError::Signal {
+                signal,
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The process's exit cell, once it was started.
+    pub fn exit_cell(&self, id: &str, exec_id: &str) -> Result<Arc<ExitCell>, ContainerError> {
+        let (_, proc) = self.process(id, exec_id)?;
+        if proc.pid().is_none() {
+            return Err(ContainerError::NotStarted(exec_id.to_owned()));
+        }
+        Ok(proc.exit.clone())
+    }
+
+    pub fn resize(
+        &self,
+        id: &str,
+        exec_id: &str,
+        width: u32,
+        height: u32,
+    ) -> Result<(), ContainerError> {
+        let (_, proc) = self.process(id, exec_id)?;
+        let clamp = |v: u32| u16::try_from(v).unwrap_or(u16::MAX);
+        match proc.streams.resize(clamp(width), clamp(height)) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(ContainerError::NoTerminal),
+            Err(e) => Err(io_err("resizing the pty")(e)),
+        }
+    }
+
+    pub fn close_stdin(&self, id: &str, exec_id: &str) -> Result<(), ContainerError> {
+        let (_, proc) = self.process(id, exec_id)?;
+        proc.streams.close_stdin();
+        Ok(())
+    }
+
+    pub fn pids(&self, id: &str) -> Result<Vec<u32>, ContainerError> {
+        self.entry(id)?;
+        let procs = std::fs::read_to_string(cgroup_dir(id).join("cgroup.procs"))
+            .map_err(io_err("reading cgroup.procs"))?;
+        Ok(procs
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect())
+    }
+
+    pub fn stats(&self, id: &str) -> Result<Stats, ContainerError> {
+        self.entry(id)?;
+        Ok(read_stats(&cgroup_dir(id)))
+    }
+
+    pub fn update(&self, id: &str, resources_json: &[u8]) -> Result<(), ContainerError> {
+        self.entry(id)?;
+        let resources: LinuxResources =
+            serde_json::from_slice(resources_json).map_err(|source| ContainerError::Json {
+                what: "OCI resources",
+                source,
+            })?;
+        use libcgroups::common::CgroupManager;
+        let manager = libcgroups::common::create_cgroup_manager(libcgroups::common::CgroupConfig {
+            cgroup_path: PathBuf::from(format!("{CGROUP_PARENT}/{id}")),
+            systemd_cgroup: false,
+            container_name: id.to_owned(),
+        })
+        .map_err(|e| ContainerError::Cgroup(e.to_string()))?;
+        manager
+            .apply(&libcgroups::common::ControllerOpt {
+                resources: &resources,
+                disable_oom_killer: false,
+                oom_score_adj: None,
+                freezer_state: None,
+            })
+            .map_err(|e| ContainerError::Cgroup(e.to_string()))
+    }
+
+    pub fn pause(&self, id: &str) -> Result<(), ContainerError> {
+        self.entry(id)?
+            .runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pause()
+            .map_err(|source| ContainerError::Runtime {
+                what: "pausing",
+                source,
+            })
+    }
+
+    pub fn resume(&self, id: &str) -> Result<(), ContainerError> {
+        self.entry(id)?
+            .runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .resume()
+            .map_err(|source| ContainerError::Runtime {
+                what: "resuming",
+                source,
+            })
+    }
+
+    pub fn remove(&self, id: &str) -> Result<(), ContainerError> {
+        let entry = self.entry(id)?;
+        entry
+            .runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .delete(true)
+            .map_err(|source| ContainerError::Runtime {
+                what: "removing the container",
+                source,
+            })?;
+        let _ = std::fs::remove_dir_all(&entry.bundle);
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        Ok(())
+    }
+
+    /// The ids of the containers, for the OOM watcher.
+    pub fn ids(&self) -> Vec<String> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect()
+    }
+}
+
+impl StreamLookup for Containers {
+    fn streams(&self, container_id: &str, exec_id: &str) -> Option<Arc<Streams>> {
+        self.process(container_id, exec_id)
+            .ok()
+            .map(|(_, p)| p.streams.clone())
+    }
+}
+
+fn keyed(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
+fn read_u64(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Reads a cgroup v2 directory; absent controllers give 0.
+pub fn read_stats(dir: &Path) -> Stats {
+    let cpu = std::fs::read_to_string(dir.join("cpu.stat")).unwrap_or_default();
+    let events = std::fs::read_to_string(dir.join("memory.events")).unwrap_or_default();
+    Stats {
+        cpu_usage_usec: keyed(&cpu, "usage_usec").unwrap_or(0),
+        cpu_user_usec: keyed(&cpu, "user_usec").unwrap_or(0),
+        cpu_system_usec: keyed(&cpu, "system_usec").unwrap_or(0),
+        memory_usage_bytes: read_u64(&dir.join("memory.current")).unwrap_or(0),
+        memory_limit_bytes: read_u64(&dir.join("memory.max")).unwrap_or(0),
+        pids_current: read_u64(&dir.join("pids.current")).unwrap_or(0),
+        oom_kills: keyed(&events, "oom_kill").unwrap_or(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_from_cgroup_files() {
+        let dir = std::env::temp_dir().join(format!("agent-stats-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(
+            dir.join("cpu.stat"),
+            "usage_usec 1500\nuser_usec 1000\nsystem_usec 500\n",
+        )
+        .expect("write");
+        std::fs::write(dir.join("memory.current"), "4096\n").expect("write");
+        std::fs::write(dir.join("memory.max"), "max\n").expect("write");
+        std::fs::write(dir.join("memory.events"), "low 0\noom 2\noom_kill 1\n").expect("write");
+        assert_eq!(
+            read_stats(&dir),
+            Stats {
+                cpu_usage_usec: 1500,
+                cpu_user_usec: 1000,
+                cpu_system_usec: 500,
+                memory_usage_bytes: 4096,
+                memory_limit_bytes: 0,
+                pids_current: 0,
+                oom_kills: 1,
+            }
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
