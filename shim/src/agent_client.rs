@@ -193,6 +193,214 @@ impl AgentClient {
     }
 }
 
+/// Host side of the agent's stdio port: each stream of a process is its own connection.
+pub use agent_protocol::stdio::StreamKind;
+pub use agent_protocol::AGENT_STDIO_PORT;
+
+/// Opens one stdio stream of a process (exec_id "" = the container's init) through the VM's
+/// hybrid-vsock socket: handshake to [`AGENT_STDIO_PORT`], then the header line. The returned
+/// stream carries raw bytes (write to stdin, shut down its write side for EOF; read stdout or
+/// stderr to EOF). Call after CreateContainer / ExecProcess.
+pub fn open_stdio_stream(
+    uds_path: &Path,
+    container_id: &str,
+    exec_id: &str,
+    which: StreamKind,
+    timeout: Duration,
+) -> Result<UnixStream, AgentError> {
+    let header = agent_protocol::stdio::StreamHeader {
+        container_id: container_id.to_owned(),
+        exec_id: exec_id.to_owned(),
+        kind: which,
+    }
+    .line()
+    .map_err(|e| AgentError::BadReply {
+        method: "stdio header",
+        reason: e.to_string(),
+    })?;
+    let handshake_err = |source| AgentError::Handshake {
+        path: uds_path.to_owned(),
+        port: AGENT_STDIO_PORT,
+        source,
+    };
+    let mut stream =
+        handshake(uds_path, AGENT_STDIO_PORT, Instant::now() + timeout).map_err(handshake_err)?;
+    stream
+        .write_all(header.as_bytes())
+        .map_err(|e| handshake_err(HandshakeError::Send(e)))?;
+    stream
+        .set_read_timeout(None)
+        .and_then(|()| stream.set_write_timeout(None))
+        .map_err(|e| handshake_err(HandshakeError::Send(e)))?;
+    Ok(stream)
+}
+
+/// Typed calls of the container RPCs (agent.proto documents each). Blocking calls
+/// (`wait_process`, `get_oom_event`) take their own timeout.
+impl AgentClient {
+    fn ctx_for(timeout: Duration) -> ttrpc::context::Context {
+        ttrpc::context::with_duration(timeout)
+    }
+
+    pub fn create_container(
+        &self,
+        req: &agent_protocol::agent::CreateContainerRequest,
+    ) -> Result<u32, AgentError> {
+        self.rpc
+            .create_container(self.context(), req)
+            .map(|r| r.pid)
+            .map_err(|source| AgentError::Rpc {
+                method: "CreateContainer",
+                source,
+            })
+    }
+
+    pub fn start_container(&self, container_id: &str) -> Result<u32, AgentError> {
+        let req = agent_protocol::agent::StartContainerRequest {
+            container_id: container_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .start_container(self.context(), &req)
+            .map(|r| r.pid)
+            .map_err(|source| AgentError::Rpc {
+                method: "StartContainer",
+                source,
+            })
+    }
+
+    pub fn exec_process(
+        &self,
+        req: &agent_protocol::agent::ExecProcessRequest,
+    ) -> Result<(), AgentError> {
+        self.rpc
+            .exec_process(self.context(), req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "ExecProcess",
+                source,
+            })
+    }
+
+    pub fn start_exec(&self, container_id: &str, exec_id: &str) -> Result<u32, AgentError> {
+        let req = agent_protocol::agent::StartExecRequest {
+            container_id: container_id.to_owned(),
+            exec_id: exec_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .start_exec(self.context(), &req)
+            .map(|r| r.pid)
+            .map_err(|source| AgentError::Rpc {
+                method: "StartExec",
+                source,
+            })
+    }
+
+    pub fn signal_process(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        signal: u32,
+        all: bool,
+    ) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::SignalProcessRequest {
+            container_id: container_id.to_owned(),
+            exec_id: exec_id.to_owned(),
+            signal,
+            all,
+            ..Default::default()
+        };
+        self.rpc
+            .signal_process(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "SignalProcess",
+                source,
+            })
+    }
+
+    /// Exit status (n, or 128+signal) and exit time (Unix ns); DEADLINE_EXCEEDED while the
+    /// process still runs after `timeout`.
+    pub fn wait_process(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        timeout: Duration,
+    ) -> Result<(u32, u64), AgentError> {
+        let req = agent_protocol::agent::WaitProcessRequest {
+            container_id: container_id.to_owned(),
+            exec_id: exec_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .wait_process(Self::ctx_for(timeout), &req)
+            .map(|r| (r.exit_status, r.exited_at_unix_nanos))
+            .map_err(|source| AgentError::Rpc {
+                method: "WaitProcess",
+                source,
+            })
+    }
+
+    pub fn resize_pty(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        width: u32,
+        height: u32,
+    ) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::ResizePtyRequest {
+            container_id: container_id.to_owned(),
+            exec_id: exec_id.to_owned(),
+            width,
+            height,
+            ..Default::default()
+        };
+        self.rpc
+            .resize_pty(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "ResizePty",
+                source,
+            })
+    }
+
+    pub fn close_stdin(&self, container_id: &str, exec_id: &str) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::CloseStdinRequest {
+            container_id: container_id.to_owned(),
+            exec_id: exec_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .close_stdin(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "CloseStdin",
+                source,
+            })
+    }
+
+    pub fn remove_container(&self, container_id: &str) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::RemoveContainerRequest {
+            container_id: container_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .remove_container(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "RemoveContainer",
+                source,
+            })
+    }
+
+    /// The raw ttrpc client, for the calls without a typed wrapper yet (ListPids, Stats,
+    /// UpdateContainer, Pause/Resume, GetOomEvent).
+    pub fn raw(&self) -> &agent_ttrpc::AgentClient {
+        &self.rpc
+    }
+}
+
 fn info_from_reply(reply: CheckResponse) -> Result<AgentInfo, String> {
     let bounded = |name: &str, value: &str, max: usize| {
         if value.len() > max {
@@ -468,6 +676,43 @@ mod tests {
             waited >= Duration::from_millis(100) && waited < Duration::from_secs(3),
             "{waited:?}"
         );
+    }
+
+    #[test]
+    fn stdio_stream_handshakes_then_sends_its_header() {
+        let dir = TempDir::new("stdio");
+        let listener = UnixListener::bind(dir.sock()).expect("bind");
+        let peer = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().expect("accept");
+            let mut reader = io::BufReader::new(stream.try_clone().expect("clone"));
+            let mut line = String::new();
+            reader.read_line(&mut line).expect("CONNECT");
+            assert_eq!(line, "CONNECT 1025\n");
+            let mut stream = stream;
+            stream.write_all(b"OK 9\n").expect("reply");
+            let mut header = String::new();
+            reader.read_line(&mut header).expect("header");
+            header
+        });
+        let stream = open_stdio_stream(
+            &dir.sock(),
+            "c1",
+            "",
+            StreamKind::Stdout,
+            Duration::from_secs(5),
+        )
+        .expect("stream");
+        assert_eq!(peer.join().expect("peer"), "c1 - stdout\n");
+        drop(stream);
+        let err = open_stdio_stream(
+            &dir.sock(),
+            "../x",
+            "",
+            StreamKind::Stdin,
+            Duration::from_secs(1),
+        )
+        .expect_err("bad id");
+        assert!(matches!(err, AgentError::BadReply { .. }), "{err}");
     }
 
     /// A test peer of the client's ttrpc layer, answering with given values.
