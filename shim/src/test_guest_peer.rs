@@ -494,7 +494,32 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    fn temp_uds(name: &str) -> PathBuf {
+    /// A socket path in a folder of its own, removed with everything in it when dropped.
+    struct TempUds {
+        dir: PathBuf,
+        path: PathBuf,
+    }
+
+    impl std::ops::Deref for TempUds {
+        type Target = PathBuf;
+        fn deref(&self) -> &PathBuf {
+            &self.path
+        }
+    }
+
+    impl AsRef<std::path::Path> for TempUds {
+        fn as_ref(&self) -> &std::path::Path {
+            &self.path
+        }
+    }
+
+    impl Drop for TempUds {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn temp_uds(name: &str) -> TempUds {
         static N: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "vsock-peer-{}-{}-{name}",
@@ -502,7 +527,10 @@ mod tests {
             N.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).expect("temp dir");
-        dir.join("vsock.sock")
+        TempUds {
+            path: dir.join("vsock.sock"),
+            dir,
+        }
     }
 
     /// How the fake VMM side treats each accepted connection.

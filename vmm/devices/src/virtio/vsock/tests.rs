@@ -28,10 +28,38 @@ const TX_BUF_BASE: u64 = 0x20_0000;
 const TX_SLOT_SIZE: u64 = 0x1_1000;
 const GUEST_CID: u64 = 3;
 
-fn temp_sock(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vsock-t-{}", std::process::id()));
+/// A socket path in a folder of its own, removed with everything in it when dropped.
+struct TempSock {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl std::ops::Deref for TempSock {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.path
+    }
+}
+
+impl AsRef<std::path::Path> for TempSock {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for TempSock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn temp_sock(name: &str) -> TempSock {
+    let dir = std::env::temp_dir().join(format!("vsock-t-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    TempSock {
+        path: dir.join(name),
+        dir,
+    }
 }
 
 /// A guest driver: posts RX buffers, sends TX packets, collects what the device wrote.
