@@ -10,25 +10,18 @@ use std::sync::Arc;
 use fuse_backend_rs::api::filesystem::FileSystem;
 use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::passthrough::{Config, PassthroughFs};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::Queue;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::request::{handle_request, FsServer};
 use super::{validate_tag, FsError, CONFIG_SIZE, NUM_REQUEST_QUEUES, QUEUE_SIZE, TAG_MAX_LEN};
-use crate::virtio::{
-    device_type, ActivateError, IrqTrigger, VirtioDevice, INT_VRING, VIRTIO_F_VERSION_1,
-};
+use crate::virtio::queues::{drain_queue, kick, ActiveQueues};
+use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
 /// Number of queues: the high-priority queue plus the request queues.
 const NUM_QUEUES: usize = 1 + NUM_REQUEST_QUEUES as usize;
 const QUEUE_SIZES: [u16; NUM_QUEUES] = [QUEUE_SIZE; NUM_QUEUES];
-
-struct Active {
-    mem: GuestMemory,
-    queues: Vec<Queue>,
-    interrupt: Arc<IrqTrigger>,
-}
 
 /// Counters of what the device did (for tests and diagnostics).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +43,7 @@ pub struct VirtioFs {
     queue_events: Vec<EventFd>,
     fs: Arc<PassthroughFs<()>>,
     server: FsServer,
-    active: Option<Active>,
+    active: Option<ActiveQueues>,
     stats: FsStats,
 }
 
@@ -126,20 +119,12 @@ impl VirtioFs {
         self.stats
     }
 
-    fn kick(&self, queue: usize) {
-        if let Some(evt) = self.queue_events.get(queue) {
-            if let Err(e) = evt.write(1) {
-                log::error!("virtio-fs: re-signalling queue {queue}: {e}");
-            }
-        }
-    }
-
     /// Serves the available chains of `queue` (at most one queue's worth per call).
     pub fn process_queue(&mut self, queue: usize) {
         let Some(active) = self.active.as_mut() else {
             return;
         };
-        let Active {
+        let ActiveQueues {
             mem,
             queues,
             interrupt,
@@ -147,48 +132,25 @@ impl VirtioFs {
         let Some(q) = queues.get_mut(queue) else {
             return;
         };
-        let mut used = false;
-        let mut more = false;
-        for i in 0..=q.size() {
-            let Some(chain) = q.pop_descriptor_chain(&*mem) else {
-                break;
-            };
-            if i == q.size() {
-                // Budget spent: put it back and come back later.
-                q.go_to_previous_position();
-                more = true;
-                break;
-            }
+        let (server, stats) = (&self.server, &mut self.stats);
+        let more = drain_queue(q, mem, interrupt, "virtio-fs", |chain| {
             let head = chain.head_index();
-            let outcome = handle_request(&self.server, mem, chain);
+            let outcome = handle_request(server, mem, chain);
             match &outcome.rejected {
-                None => self.stats.served += 1,
+                None => stats.served += 1,
                 Some(e) => {
                     log::debug!("virtio-fs: queue {queue} request {head}: {e}");
                     if outcome.used_len > 0 {
-                        self.stats.rejected_answered += 1;
+                        stats.rejected_answered += 1;
                     } else {
-                        self.stats.dropped += 1;
+                        stats.dropped += 1;
                     }
                 }
             }
-            if let Err(e) = q.add_used(&*mem, head, outcome.used_len) {
-                log::error!("virtio-fs: queue {queue} used ring: {e}");
-            }
-            used = true;
-        }
-        if used {
-            match q.needs_notification(&*mem) {
-                Ok(false) => {}
-                Ok(true) | Err(_) => {
-                    if let Err(e) = interrupt.trigger(INT_VRING) {
-                        log::error!("virtio-fs: raising the interrupt: {e}");
-                    }
-                }
-            }
-        }
+            outcome.used_len
+        });
         if more {
-            self.kick(queue);
+            kick(&self.queue_events, queue, "virtio-fs");
         }
     }
 
@@ -257,7 +219,7 @@ impl VirtioDevice for VirtioFs {
                 got: queues.len(),
             });
         }
-        self.active = Some(Active {
+        self.active = Some(ActiveQueues {
             mem,
             queues,
             interrupt,

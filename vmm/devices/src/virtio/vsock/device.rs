@@ -14,25 +14,18 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::muxer::VsockMuxer;
 use super::packet::{read_tx_packet, RxBuffer};
 use super::{VsockError, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
-use crate::virtio::{
-    device_type, ActivateError, IrqTrigger, VirtioDevice, INT_VRING, VIRTIO_F_VERSION_1,
-};
+use crate::virtio::queues::{drain_queue, kick, notify_used, ActiveQueues};
+use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
 const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
-
-struct Active {
-    mem: GuestMemory,
-    queues: Vec<Queue>,
-    interrupt: Arc<IrqTrigger>,
-}
 
 /// The virtio-vsock device with its hybrid-vsock backend.
 pub struct Vsock {
     guest_cid: u64,
     acked_features: u64,
     queue_events: Vec<EventFd>,
-    active: Option<Active>,
+    active: Option<ActiveQueues>,
     pub(super) muxer: VsockMuxer,
 }
 
@@ -96,20 +89,12 @@ impl Vsock {
         &self.queue_events
     }
 
-    fn kick(&self, queue: usize) {
-        if let Some(evt) = self.queue_events.get(queue) {
-            if let Err(e) = evt.write(1) {
-                log::error!("vsock: re-signalling queue {queue}: {e}");
-            }
-        }
-    }
-
     /// Handles guest packets on the TX queue, then sends any replies.
     pub fn process_tx(&mut self) {
         let Some(active) = self.active.as_mut() else {
             return;
         };
-        let Active {
+        let ActiveQueues {
             mem,
             queues,
             interrupt,
@@ -117,33 +102,16 @@ impl Vsock {
         let Some(txq) = queues.get_mut(TX_QUEUE) else {
             return;
         };
-        let mut used = false;
-        let mut more = false;
-        for i in 0..=txq.size() {
-            let Some(chain) = txq.pop_descriptor_chain(&*mem) else {
-                break;
-            };
-            if i == txq.size() {
-                // Budget spent: put it back and come back later.
-                txq.go_to_previous_position();
-                more = true;
-                break;
-            }
-            let head = chain.head_index();
+        let muxer = &mut self.muxer;
+        let more = drain_queue(txq, mem, interrupt, "vsock", |chain| {
             match read_tx_packet(mem, chain) {
-                Ok(pkt) => self.muxer.send_pkt(pkt),
+                Ok(pkt) => muxer.send_pkt(pkt),
                 Err(e) => log::debug!("vsock: bad TX packet: {e}"),
             }
-            if let Err(e) = txq.add_used(&*mem, head, 0) {
-                log::error!("vsock: TX used ring: {e}");
-            }
-            used = true;
-        }
-        if used {
-            notify(txq, mem, interrupt);
-        }
+            0
+        });
         if more {
-            self.kick(TX_QUEUE);
+            kick(&self.queue_events, TX_QUEUE, "vsock");
         }
         self.process_rx();
     }
@@ -153,7 +121,7 @@ impl Vsock {
         let Some(active) = self.active.as_mut() else {
             return;
         };
-        let Active {
+        let ActiveQueues {
             mem,
             queues,
             interrupt,
@@ -204,10 +172,10 @@ impl Vsock {
             used = true;
         }
         if used {
-            notify(rxq, mem, interrupt);
+            notify_used(rxq, mem, interrupt, "vsock");
         }
         if more {
-            self.kick(RX_QUEUE);
+            kick(&self.queue_events, RX_QUEUE, "vsock");
         }
     }
 
@@ -232,17 +200,6 @@ impl Vsock {
             TX_QUEUE => self.process_tx(),
             // Only the device writes to the event queue (transport resets), which we never do.
             _ => {}
-        }
-    }
-}
-
-fn notify(q: &mut Queue, mem: &GuestMemory, interrupt: &IrqTrigger) {
-    match q.needs_notification(mem) {
-        Ok(false) => {}
-        Ok(true) | Err(_) => {
-            if let Err(e) = interrupt.trigger(INT_VRING) {
-                log::error!("vsock: raising the interrupt: {e}");
-            }
         }
     }
 }
@@ -299,13 +256,13 @@ impl VirtioDevice for Vsock {
                 got: queues.len(),
             });
         }
-        self.active = Some(Active {
+        self.active = Some(ActiveQueues {
             mem,
             queues,
             interrupt,
         });
         // Packets may be waiting from before the driver was up (host connections).
-        self.kick(RX_QUEUE);
+        kick(&self.queue_events, RX_QUEUE, "vsock");
         Ok(())
     }
 
