@@ -182,6 +182,16 @@ impl GuestVm {
         &self.detail
     }
 
+    /// Host processes running this guest besides the current one (QEMU and vhost-device-vsock;
+    /// none for the embedded VMM, which runs in this process). Recorded so that a cleanup
+    /// after a crash of this process can find them.
+    pub fn pids(&self) -> Vec<u32> {
+        match &self.running {
+            Running::Kvm(_) => Vec::new(),
+            Running::Qemu(vm) => vm.pids(),
+        }
+    }
+
     /// The hybrid-vsock Unix socket of the guest's vsock device.
     pub fn agent_socket(&self) -> &Path {
         &self.agent_socket

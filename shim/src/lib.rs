@@ -11,4 +11,5 @@ pub mod config;
 pub mod guest_vm;
 pub mod host_check;
 pub mod qemu;
+pub mod task;
 pub mod test_guest_peer;

@@ -1,0 +1,136 @@
+//! What a container is to the shim, read from its bundle's `config.json`: the pod sandbox
+//! itself, an app container of a pod, or a container outside any pod (`ctr run`). Decided by
+//! the annotations containerd's CRI plugin puts on the OCI spec (design.md 2).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Annotation: `sandbox` for the pod's sandbox (pause) container, `container` for the others.
+pub const ANN_CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+/// Annotation: the id of the pod sandbox a container belongs to.
+pub const ANN_SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+
+/// The role of a container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// The pod's sandbox container: its VM.
+    Sandbox,
+    /// A container of the pod with this sandbox id.
+    App { sandbox_id: String },
+    /// A container outside any pod: it gets its own VM.
+    Standalone,
+}
+
+impl Role {
+    /// The role of container `id` from its spec's annotations.
+    pub fn from_annotations(id: &str, annotations: &HashMap<String, String>) -> Role {
+        let sandbox_id = annotations.get(ANN_SANDBOX_ID).filter(|s| !s.is_empty());
+        match (
+            annotations.get(ANN_CONTAINER_TYPE).map(String::as_str),
+            sandbox_id,
+        ) {
+            (Some("sandbox"), _) => Role::Sandbox,
+            (_, Some(sid)) if sid != id => Role::App {
+                sandbox_id: sid.clone(),
+            },
+            (_, Some(_)) => Role::Sandbox,
+            (_, None) => Role::Standalone,
+        }
+    }
+
+    /// The id that names the pod (and so its shim socket and state directory).
+    pub fn pod_id<'a>(&'a self, id: &'a str) -> &'a str {
+        match self {
+            Role::App { sandbox_id } => sandbox_id,
+            Role::Sandbox | Role::Standalone => id,
+        }
+    }
+}
+
+/// Why a bundle's spec could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not an OCI spec: {source}")]
+    Parse {
+        path: String,
+        source: serde_json::Error,
+    },
+}
+
+/// The OCI spec of a bundle as JSON, kept whole (it is rewritten and forwarded, never re-modelled).
+pub fn read_spec(bundle: &Path) -> Result<serde_json::Value, BundleError> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read(&path).map_err(|source| BundleError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    serde_json::from_slice(&text).map_err(|source| BundleError::Parse {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The spec's `annotations` (string values only).
+pub fn annotations(spec: &serde_json::Value) -> HashMap<String, String> {
+    spec.get("annotations")
+        .and_then(|a| a.as_object())
+        .map(|map| {
+            map.iter()
+                .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn roles_from_cri_annotations() {
+        let sandbox = ann(&[(ANN_CONTAINER_TYPE, "sandbox"), (ANN_SANDBOX_ID, "s1")]);
+        assert_eq!(Role::from_annotations("s1", &sandbox), Role::Sandbox);
+        let app = ann(&[(ANN_CONTAINER_TYPE, "container"), (ANN_SANDBOX_ID, "s1")]);
+        let role = Role::from_annotations("c1", &app);
+        assert_eq!(
+            role,
+            Role::App {
+                sandbox_id: "s1".into()
+            }
+        );
+        assert_eq!(role.pod_id("c1"), "s1");
+        let none = ann(&[]);
+        assert_eq!(Role::from_annotations("x", &none), Role::Standalone);
+        assert_eq!(Role::Standalone.pod_id("x"), "x");
+        let empty = ann(&[(ANN_SANDBOX_ID, "")]);
+        assert_eq!(Role::from_annotations("x", &empty), Role::Standalone);
+    }
+
+    #[test]
+    fn reads_annotations_from_a_bundle() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"ociVersion":"1.0.2","annotations":{"a":"b","n":1}}"#,
+        )
+        .unwrap();
+        let spec = read_spec(dir.path()).unwrap();
+        assert_eq!(annotations(&spec), ann(&[("a", "b")]));
+        std::fs::write(dir.path().join("config.json"), "{").unwrap();
+        let e = read_spec(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("config.json"), "{e}");
+        assert!(read_spec(&dir.path().join("nope")).is_err());
+    }
+}

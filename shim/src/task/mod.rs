@@ -1,0 +1,17 @@
+//! The containerd shim v2 (`containerd-shim-microvm-v1`): one long-lived shim per pod, which
+//! runs the pod's VM. See docs/shim.md for how containerd calls it.
+//!
+//! - [`service`]: `start` (spawn or reuse the pod's shim, print its address), `delete`
+//!   (cleanup after a shim that is gone), the daemon's setup.
+//! - [`task_service`]: the task API (Create, Start, Kill, Wait, State, Delete, ...) and events.
+//! - [`sandbox_vm`]: the pod's VM on its own long-lived thread, with a checked agent.
+//! - [`state_dir`]: the pod's on-disk state (`/run/microvm/<pod-id>`) and crash cleanup.
+//! - [`bundle`]: the container's role (sandbox, app, standalone) from its spec's annotations.
+//! - [`options`]: the handler's `ConfigPath` from the runtime options.
+
+pub mod bundle;
+pub mod options;
+pub mod sandbox_vm;
+pub mod service;
+pub mod state_dir;
+pub mod task_service;

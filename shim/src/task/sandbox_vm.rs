@@ -1,0 +1,226 @@
+//! A pod's VM, owned by one long-lived OS thread.
+//!
+//! The thread boots the guest with [`GuestVm`], records the VM's host processes in the pod's
+//! state directory, waits for the agent's ready line (never knocking earlier: vhost-device-vsock
+//! 0.3.0 can wedge, docs/qemu-backend.md), connects and checks the agent, then watches the VM
+//! until it is told to stop or the guest ends by itself. Owning the VM on a plain thread, not a
+//! tokio blocking task, matters: QEMU's children get `PR_SET_PDEATHSIG` tied to the thread that
+//! spawned them, so that thread must live exactly as long as the VM.
+
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{oneshot, watch};
+
+use crate::agent_client::{AgentClient, AgentInfo};
+use crate::guest_vm::{Backend, GuestSpec, GuestVm};
+use crate::task::state_dir::StateDir;
+
+/// How long the agent may take to print its ready line after the VM started.
+pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long connecting to a ready agent may take.
+const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the VM thread looks whether the guest ended by itself.
+const WATCH_INTERVAL: Duration = Duration::from_millis(100);
+/// The exit status reported when the guest ends without being asked to (crash, reboot).
+pub const UNEXPECTED_EXIT_STATUS: u32 = 255;
+
+/// How the VM ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmExit {
+    /// The status the sandbox task reports (128 + signal when killed).
+    pub status: u32,
+    /// When it ended.
+    pub at: SystemTime,
+}
+
+/// Why the VM could not be booted; the message is what the CRI user reads.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("cannot start the pod's VM: {0}")]
+    Start(String),
+    #[error("the pod's VM booted but its agent did not come up: {0}")]
+    Agent(String),
+    #[error("cannot record the VM in the pod's state directory: {0}")]
+    State(String),
+    #[error("cannot start the VM thread: {0}")]
+    Thread(std::io::Error),
+    #[error("the VM thread ended before reporting")]
+    ThreadGone,
+}
+
+enum Command {
+    Stop { status: u32 },
+}
+
+/// A running pod VM with a checked agent.
+pub struct SandboxVm {
+    commands: mpsc::Sender<Command>,
+    exited: watch::Receiver<Option<VmExit>>,
+    agent: Arc<AgentClient>,
+    info: AgentInfo,
+    detail: String,
+}
+
+impl SandboxVm {
+    /// Boots `spec` on `backend` from a new VM thread; returns once the agent answered Check.
+    pub async fn boot(
+        backend: Backend,
+        spec: GuestSpec,
+        state: StateDir,
+    ) -> Result<SandboxVm, SandboxError> {
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let (cmd_tx, cmd_rx) = mpsc::channel();
+        let (exit_tx, exit_rx) = watch::channel(None);
+        std::thread::Builder::new()
+            .name("microvm-vm".to_string())
+            .spawn(move || vm_thread(backend, spec, state, ready_tx, cmd_rx, exit_tx))
+            .map_err(SandboxError::Thread)?;
+        let (agent, info, detail) = ready_rx.await.map_err(|_| SandboxError::ThreadGone)??;
+        Ok(SandboxVm {
+            commands: cmd_tx,
+            exited: exit_rx,
+            agent,
+            info,
+            detail,
+        })
+    }
+
+    /// The guest's facts from the agent's Check.
+    pub fn info(&self) -> &AgentInfo {
+        &self.info
+    }
+
+    /// One line on how the VM runs (backend, accelerator).
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The connected agent.
+    pub fn agent(&self) -> Arc<AgentClient> {
+        self.agent.clone()
+    }
+
+    /// Asks the VM to stop; it reports `status` as its exit. No-op once it has ended.
+    pub fn stop(&self, status: u32) {
+        let _ = self.commands.send(Command::Stop { status });
+    }
+
+    /// A receiver that turns `Some` once the VM has ended (and its thread has cleaned up).
+    pub fn exited(&self) -> watch::Receiver<Option<VmExit>> {
+        self.exited.clone()
+    }
+
+    /// Waits until the VM has ended.
+    pub async fn wait(&self) -> VmExit {
+        let mut rx = self.exited.clone();
+        loop {
+            if let Some(exit) = *rx.borrow_and_update() {
+                return exit;
+            }
+            if rx.changed().await.is_err() {
+                // The thread is gone without a report: treat as ended now.
+                return VmExit {
+                    status: UNEXPECTED_EXIT_STATUS,
+                    at: SystemTime::now(),
+                };
+            }
+        }
+    }
+}
+
+type Ready = Result<(Arc<AgentClient>, AgentInfo, String), SandboxError>;
+
+fn vm_thread(
+    backend: Backend,
+    spec: GuestSpec,
+    state: StateDir,
+    ready: oneshot::Sender<Ready>,
+    commands: mpsc::Receiver<Command>,
+    exited: watch::Sender<Option<VmExit>>,
+) {
+    let mut vm = match GuestVm::start(backend, &spec) {
+        Ok(vm) => vm,
+        Err(e) => {
+            let _ = ready.send(Err(SandboxError::Start(e.to_string())));
+            return;
+        }
+    };
+    if let Err(e) = state.record_vm_processes(&vm.pids()) {
+        let _ = ready.send(Err(SandboxError::State(e.to_string())));
+        return;
+    }
+    log::info!("pod VM started: {}", vm.detail());
+    let connected = vm
+        .wait_agent_ready(AGENT_READY_TIMEOUT)
+        .map_err(|e| SandboxError::Agent(e.to_string()))
+        .and_then(|()| {
+            AgentClient::connect(
+                vm.agent_socket(),
+                agent_protocol::AGENT_VSOCK_PORT,
+                AGENT_CONNECT_TIMEOUT,
+            )
+            .and_then(|agent| agent.check().map(|info| (agent, info)))
+            .map_err(|e| {
+                SandboxError::Agent(format!("{e}; console ends with:\n{}", vm.console_tail(20)))
+            })
+        });
+    let agent = match connected {
+        Ok((agent, info)) => {
+            log::info!(
+                "agent ready {:?} after boot start: kernel {}, boot id {}",
+                vm.started_at().elapsed(),
+                info.kernel_release,
+                info.boot_id
+            );
+            let agent = Arc::new(agent);
+            let detail = vm.detail().to_string();
+            if ready.send(Ok((agent.clone(), info, detail))).is_err() {
+                // Nobody waits for this VM any more: it is dropped (stopped) below.
+                return;
+            }
+            agent
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let status = loop {
+        match commands.recv_timeout(WATCH_INTERVAL) {
+            Ok(Command::Stop { status }) => {
+                if let Err(e) = vm.stop() {
+                    log::warn!("stopping the pod VM: {e}");
+                }
+                break status;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = vm.stop();
+                break UNEXPECTED_EXIT_STATUS;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => match vm.wait_timeout(Duration::ZERO) {
+                Ok(false) => {}
+                Ok(true) => {
+                    log::warn!(
+                        "the pod VM ended by itself; console ends with:\n{}",
+                        vm.console_tail(20)
+                    );
+                    break UNEXPECTED_EXIT_STATUS;
+                }
+                Err(e) => {
+                    log::warn!("watching the pod VM: {e}");
+                    let _ = vm.stop();
+                    break UNEXPECTED_EXIT_STATUS;
+                }
+            },
+        }
+    };
+    drop(agent);
+    // Dropping the VM removes its work folder.
+    drop(vm);
+    let _ = state.record_vm_processes(&[]);
+    let _ = exited.send(Some(VmExit {
+        status,
+        at: SystemTime::now(),
+    }));
+}

@@ -1,0 +1,344 @@
+//! A pod's on-disk state: `/run/microvm/<pod-id>/` (root overridable with `MICROVM_STATE_ROOT`).
+//!
+//! It holds what a cleanup needs when the shim is gone (`kill -9`): the shim's pid, the pids of
+//! the VM's host processes (each with its start time, so a recycled pid is never killed), the
+//! mounts the shim made, and the VM's work folder (sockets, console log) and shared folder.
+//! `containerd-shim-microvm-v1 delete` runs [`StateDir::cleanup`] from these files alone.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Environment variable that moves the state root (tests use it).
+pub const STATE_ROOT_ENV: &str = "MICROVM_STATE_ROOT";
+/// Where pods' state lives by default.
+pub const DEFAULT_STATE_ROOT: &str = "/run/microvm";
+
+const SHIM_PID_FILE: &str = "shim.pid";
+const VM_PIDS_FILE: &str = "vm.pids";
+const MOUNTS_FILE: &str = "mounts";
+/// How long a cleanup waits for a killed process to go.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// The state root: `MICROVM_STATE_ROOT`, else `/run/microvm`.
+pub fn state_root() -> PathBuf {
+    std::env::var_os(STATE_ROOT_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_ROOT))
+}
+
+/// Errors of the state directory; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("invalid pod id {0:?} for a state directory")]
+    BadId(String),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StateError + '_ {
+    move |source| StateError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What a cleanup did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct CleanupReport {
+    /// Recorded VM processes that were still running and got SIGKILL.
+    pub killed: Vec<u32>,
+    /// Mount points unmounted.
+    pub unmounted: Vec<PathBuf>,
+    /// Whether the directory existed and was removed.
+    pub removed: bool,
+}
+
+/// One pod's state directory.
+#[derive(Debug, Clone)]
+pub struct StateDir {
+    path: PathBuf,
+}
+
+impl StateDir {
+    /// The state directory of pod `id` under `root` (not created).
+    pub fn new(root: &Path, id: &str) -> Result<StateDir, StateError> {
+        let ok = !id.is_empty()
+            && id.len() <= 76
+            && id != "."
+            && id != ".."
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !ok {
+            return Err(StateError::BadId(id.to_string()));
+        }
+        Ok(StateDir {
+            path: root.join(id),
+        })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The VM's work folder (its sockets and console log).
+    pub fn vm_dir(&self) -> PathBuf {
+        self.path.join("vm")
+    }
+
+    /// The folder shared with the guest.
+    pub fn shared_dir(&self) -> PathBuf {
+        self.path.join("shared")
+    }
+
+    /// Creates the directory (mode 0700) and records `shim_pid` as the pod's shim.
+    pub fn create(&self, shim_pid: u32) -> Result<(), StateError> {
+        use std::os::unix::fs::DirBuilderExt;
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.path)
+            .map_err(io_err(&self.path))?;
+        let file = self.path.join(SHIM_PID_FILE);
+        fs::write(&file, record_line(shim_pid)).map_err(io_err(&file))
+    }
+
+    /// Records the VM's host processes (replacing an earlier record).
+    pub fn record_vm_processes(&self, pids: &[u32]) -> Result<(), StateError> {
+        let file = self.path.join(VM_PIDS_FILE);
+        let text: String = pids.iter().map(|&p| record_line(p)).collect();
+        fs::write(&file, text).map_err(io_err(&file))
+    }
+
+    /// Appends a mount point the shim made (before mounting, so a crash in between is covered).
+    pub fn record_mount(&self, target: &Path) -> Result<(), StateError> {
+        let file = self.path.join(MOUNTS_FILE);
+        let mut f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&file)
+            .map_err(io_err(&file))?;
+        writeln!(f, "{}", target.display()).map_err(io_err(&file))
+    }
+
+    /// Whether the shim recorded in the directory still runs.
+    pub fn shim_alive(&self) -> bool {
+        read_records(&self.path.join(SHIM_PID_FILE))
+            .into_iter()
+            .any(|(pid, start)| start_time(pid) == Some(start))
+    }
+
+    /// Kills the recorded VM processes that still run, unmounts what is mounted under the
+    /// directory (recorded mounts first, deepest first), and removes the directory. Safe to run
+    /// twice and on a directory that does not exist.
+    pub fn cleanup(&self) -> Result<CleanupReport, StateError> {
+        let mut report = CleanupReport::default();
+        if !self.path.exists() {
+            return Ok(report);
+        }
+        for (pid, start) in read_records(&self.path.join(VM_PIDS_FILE)) {
+            if kill_if_same(pid, start) {
+                report.killed.push(pid);
+            }
+        }
+        let mut targets: Vec<PathBuf> = fs::read_to_string(self.path.join(MOUNTS_FILE))
+            .unwrap_or_default()
+            .lines()
+            .map(PathBuf::from)
+            .collect();
+        targets.extend(mounts_under(&self.path));
+        targets.sort_by_key(|t| std::cmp::Reverse(t.as_os_str().len()));
+        targets.dedup();
+        for t in targets {
+            if unmount(&t) {
+                report.unmounted.push(t);
+            }
+        }
+        let remaining = mounts_under(&self.path);
+        if let Some(m) = remaining.first() {
+            return Err(StateError::Io {
+                path: m.clone(),
+                source: io::Error::other("still mounted after cleanup"),
+            });
+        }
+        fs::remove_dir_all(&self.path).map_err(io_err(&self.path))?;
+        report.removed = true;
+        Ok(report)
+    }
+}
+
+/// `"<pid> <start time>\n"` for the running process `pid` (start time 0 if unreadable).
+fn record_line(pid: u32) -> String {
+    format!("{pid} {}\n", start_time(pid).unwrap_or(0))
+}
+
+fn read_records(file: &Path) -> Vec<(u32, u64)> {
+    fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// A live (not zombie) process's start time in clock ticks since boot (`/proc/<pid>/stat`
+/// field 22), or `None` if it is gone.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    // `rest` starts at field 3 (state); field 22 is 19 further on.
+    fields.nth(18)?.parse().ok()
+}
+
+/// SIGKILLs `pid` if it is still the process recorded (same start time) and waits (bounded)
+/// until it is gone. Returns whether it was killed.
+fn kill_if_same(pid: u32, start: u64) -> bool {
+    if start == 0 || start_time(pid) != Some(start) {
+        return false;
+    }
+    let Ok(raw) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill(2) with a pid checked just above to be the recorded process; no memory
+    // is involved.
+    unsafe { libc::kill(raw, libc::SIGKILL) };
+    let deadline = Instant::now() + KILL_WAIT;
+    while start_time(pid) == Some(start) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
+/// Mount points at or under `dir`, from /proc/self/mountinfo.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mountinfo)
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(dir))
+        .collect()
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Detaches the mount at `target`; whether something was unmounted.
+fn unmount(target: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: umount2 with a valid NUL-terminated path; it does not retain the pointer.
+    unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) == 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn rejects_ids_that_escape_the_root() {
+        let root = Path::new("/run/microvm");
+        for bad in ["", ".", "..", "a/b", "../x", "a b", &"x".repeat(77)] {
+            assert!(StateDir::new(root, bad).is_err(), "{bad:?}");
+        }
+        let d = StateDir::new(root, &"ab12".repeat(16)).unwrap();
+        assert_eq!(d.path(), root.join("ab12".repeat(16)));
+        // The longest socket of a VM stays within a Unix socket path.
+        let sock = d.vm_dir().join("vhost-user-vsock.sock");
+        assert!(sock.as_os_str().len() <= 107, "{}", sock.display());
+    }
+
+    #[test]
+    fn start_time_of_live_and_gone_processes() {
+        assert!(start_time(std::process::id()).is_some());
+        let mut child = Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert_eq!(start_time(pid), None);
+        assert_eq!(unescape_mountinfo(r"/a\040b\134c"), "/a b\\c");
+    }
+
+    #[test]
+    fn cleanup_kills_recorded_processes_unmounts_and_removes() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = StateDir::new(root.path(), "pod1").unwrap();
+        dir.create(std::process::id()).unwrap();
+        assert!(dir.shim_alive());
+        let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+        dir.record_vm_processes(&[child.id()]).unwrap();
+        // A tmpfs mount under the directory, recorded, and one not recorded.
+        let m1 = dir.shared_dir().join("c1");
+        let m2 = dir.path().join("other");
+        for m in [&m1, &m2] {
+            fs::create_dir_all(m).unwrap();
+        }
+        dir.record_mount(&m1).unwrap();
+        let mounted = [&m1, &m2].iter().all(|m| {
+            Command::new("mount")
+                .args(["-t", "tmpfs", "tmpfs"])
+                .arg(m)
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false)
+        });
+        let report = dir.cleanup().unwrap();
+        assert_eq!(report.killed, vec![child.id()]);
+        let status = child.wait().unwrap();
+        assert!(!status.success());
+        if mounted {
+            assert_eq!(report.unmounted.len(), 2, "{report:?}");
+        }
+        assert!(report.removed);
+        assert!(!dir.path().exists());
+        // Twice is harmless.
+        assert_eq!(dir.cleanup().unwrap(), CleanupReport::default());
+    }
+
+    #[test]
+    fn a_recycled_pid_is_not_killed() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = StateDir::new(root.path(), "pod2").unwrap();
+        dir.create(std::process::id()).unwrap();
+        let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+        // Same pid, different start time: another process.
+        fs::write(dir.path().join(VM_PIDS_FILE), format!("{} 1\n", child.id())).unwrap();
+        let report = dir.cleanup().unwrap();
+        assert!(report.killed.is_empty());
+        assert_eq!(child.try_wait().unwrap(), None);
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}

@@ -1,0 +1,290 @@
+//! The `microvm` handler through CRI on a private containerd (tests/src/containerd.rs): pod
+//! sandboxes as VMs under the QEMU backend (this host's KVM cannot boot a Linux guest,
+//! design.md 3b), with our guest kernel and initrd from build/. Needs root, Debian's containerd,
+//! QEMU and vhost-device-vsock (scripts/install-deps.sh), and `make kernel initrd`.
+//!
+//! After each pod: no shim, QEMU or vhost-device-vsock process, no state directory
+//! (/run/microvm/<pod-id>), no mount under it and no shim socket remain.
+
+use microvm_tests::containerd::{ContainerdOptions, PrivateContainerd};
+use microvm_tests::cri::CriClient;
+use microvm_tests::images::PAUSE_IMAGE;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+const STATE_ROOT: &str = "/run/microvm";
+const SHIM: &str = "containerd-shim-microvm-v1";
+
+/// The tests of this file share /run/microvm; they run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn require_root() {
+    // SAFETY: geteuid(2) has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "the containerd tests need root");
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// The folder holding an up-to-date shim binary of this build's profile: built with cargo
+/// (a no-op when `make build` already did) into the target folder this test runs from.
+fn shim_bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // <target>/<profile>/deps/<test>
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+    let target = profile_dir.parent().unwrap();
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "-p", "shim", "--bin", SHIM])
+        .env("CARGO_TARGET_DIR", target)
+        .current_dir(repo());
+    if release {
+        cmd.arg("--release");
+    }
+    let status = cmd.status().expect("running cargo build for the shim");
+    assert!(status.success(), "building {SHIM} failed");
+    assert!(profile_dir.join(SHIM).exists());
+    profile_dir
+}
+
+/// A shim config for the QEMU backend with our kernel and initrd (or the given kernel).
+fn write_config(dir: &Path, kernel: Option<&Path>) -> PathBuf {
+    let build = repo().join("build");
+    let default_kernel = build.join("vmlinux");
+    let kernel = kernel.unwrap_or(&default_kernel);
+    for f in [&default_kernel, &build.join("initrd.cpio")] {
+        assert!(
+            f.exists(),
+            "{} missing: run `make kernel initrd`",
+            f.display()
+        );
+    }
+    let path = dir.join("microvm.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "hypervisor = \"qemu\"\nkernel = \"{}\"\ninitrd = \"{}\"\n",
+            kernel.display(),
+            build.join("initrd.cpio").display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+async fn start(config: &Path) -> (PrivateContainerd, CriClient) {
+    require_root();
+    let ctrd = PrivateContainerd::start(ContainerdOptions {
+        extra_path: vec![shim_bin_dir()],
+        microvm_config: Some(config.to_path_buf()),
+        ..ContainerdOptions::default()
+    })
+    .unwrap_or_else(|e| panic!("starting the private containerd: {e}"));
+    let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.wait_ready(&[PAUSE_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    (ctrd, cri)
+}
+
+/// Processes whose command line mentions `needle` (other than this one).
+fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
+    let own = std::process::id() as i32;
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != own)
+        .filter_map(|pid| {
+            let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let c = String::from_utf8_lossy(&c).replace('\0', " ");
+            c.contains(needle).then_some((pid, c))
+        })
+        .collect()
+}
+
+/// The shim serving `pod_id` of this containerd instance.
+fn shim_pids(ctrd: &PrivateContainerd, pod_id: &str) -> Vec<i32> {
+    processes_mentioning(&ctrd.socket().display().to_string())
+        .into_iter()
+        .filter(|(_, c)| c.contains(SHIM) && c.contains(pod_id))
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// Waits (bounded) until nothing of pod `id` remains: processes, state directory, mounts,
+/// shim socket.
+fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
+    let state = Path::new(STATE_ROOT).join(id);
+    let socket = ctrd.shim_socket(id);
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut left = Vec::new();
+        for (pid, cmd) in processes_mentioning(&state.display().to_string()) {
+            left.push(format!("VM process {pid}: {cmd}"));
+        }
+        for p in ctrd.leftover_processes() {
+            left.push(format!("process {p:?}"));
+        }
+        if state.exists() {
+            left.push(format!("state directory {}", state.display()));
+        }
+        for m in microvm_tests::containerd::mounts_under(&state) {
+            left.push(format!("mount {}", m.display()));
+        }
+        if socket.exists() {
+            left.push(format!("shim socket {}", socket.display()));
+        }
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left after {timeout:?}:\n{}\ncontainerd log:\n{}",
+            left.join("\n"),
+            ctrd.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn microvm_pod_sandbox_runs_in_a_vm_and_leaves_nothing() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+
+    let t = Instant::now();
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-sandbox", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let run = t.elapsed();
+    let status = cri.pod_sandbox_status(&pod.id, false).await.unwrap();
+    let state = status.status.as_ref().map(|s| s.state).unwrap_or(-1);
+    assert_eq!(state, 0, "pod not SANDBOX_READY: {status:?}");
+
+    // The VM runs: QEMU and vhost-device-vsock hold sockets in the pod's state directory.
+    let state_dir = Path::new(STATE_ROOT).join(&pod.id);
+    assert!(state_dir.join("shim.pid").exists());
+    let vm = processes_mentioning(&state_dir.display().to_string());
+    assert!(
+        vm.iter().any(|(_, c)| c.contains("qemu-system-x86_64")),
+        "no QEMU for the pod: {vm:?}"
+    );
+    assert!(
+        vm.iter().any(|(_, c)| c.contains("vhost-device-vsock")),
+        "no vhost-device-vsock for the pod: {vm:?}"
+    );
+    assert_eq!(shim_pids(&ctrd, &pod.id).len(), 1, "one shim for the pod");
+
+    let t = Instant::now();
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    let stop = t.elapsed();
+    let status = cri.pod_sandbox_status(&pod.id, false).await.unwrap();
+    assert_eq!(status.status.map(|s| s.state), Some(1), "SANDBOX_NOTREADY");
+    let t = Instant::now();
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    let remove = t.elapsed();
+    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+    eprintln!("microvm pod sandbox (qemu backend): run {run:?}, stop {stop:?}, remove {remove:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_kernel_fails_run_pod_sandbox_naming_it_and_leaks_nothing() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-vmlinux");
+    let config = write_config(dir.path(), Some(&missing));
+    let (ctrd, cri) = start(&config).await;
+    let before: Vec<_> = std::fs::read_dir(STATE_ROOT)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+
+    let t = Instant::now();
+    let err = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-bad-kernel", HashMap::new())
+                .unwrap(),
+            "microvm",
+        )
+        .await
+        .expect_err("RunPodSandbox must fail with a missing kernel")
+        .to_string();
+    let failed_in = t.elapsed();
+    assert!(err.contains(&missing.display().to_string()), "{err}");
+    assert!(err.contains(&config.display().to_string()), "{err}");
+    assert!(failed_in < Duration::from_secs(30), "took {failed_in:?}");
+
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = ctrd.leftover_processes();
+        let after: Vec<_> = std::fs::read_dir(STATE_ROOT)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        let new_state: Vec<_> = after.iter().filter(|p| !before.contains(p)).collect();
+        if left.is_empty() && new_state.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left: {left:?} {new_state:?}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("missing kernel: RunPodSandbox failed in {failed_in:?}: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill_9_of_the_shim_containerd_cleanup_leaves_nothing_and_the_pod_reruns() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-kill9", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let shims = shim_pids(&ctrd, &pod.id);
+    assert_eq!(shims.len(), 1, "{shims:?}");
+    // SAFETY: kill(2) on the pod's shim process found above.
+    unsafe { libc::kill(shims[0], libc::SIGKILL) };
+
+    // containerd notices the dead shim and runs `<shim> delete`; stopping and removing the pod
+    // through CRI must work and leave nothing.
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+
+    // The same pod config runs again.
+    let again = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-kill9", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.stop_pod_sandbox(&again.id).await.unwrap();
+    cri.remove_pod_sandbox(&again.id).await.unwrap();
+    assert_pod_gone(&ctrd, &again.id, Duration::from_secs(20));
+}
