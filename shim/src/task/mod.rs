@@ -8,10 +8,14 @@
 //! - [`state_dir`]: the pod's on-disk state (`/run/microvm/<pod-id>`) and crash cleanup.
 //! - [`bundle`]: the container's role (sandbox, app, standalone) from its spec's annotations.
 //! - [`options`]: the handler's `ConfigPath` from the runtime options.
+//! - [`guest_spec`]: an app container's OCI spec rewritten for the guest.
+//! - [`share`]: an app container's rootfs and bind sources mounted into the pod's shared folder.
 
 pub mod bundle;
+pub mod guest_spec;
 pub mod options;
 pub mod sandbox_vm;
 pub mod service;
+pub mod share;
 pub mod state_dir;
 pub mod task_service;

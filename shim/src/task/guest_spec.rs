@@ -1,0 +1,229 @@
+//! Rewriting an app container's OCI spec from host paths to guest paths, before it goes to the
+//! agent's CreateContainer (as JSON: the spec is never re-modelled, design.md 4).
+//!
+//! The pod's shared directory (`<state>/shared` on the host) is the guest's
+//! [`GUEST_SHARED_DIR`], exported under [`SHARED_FS_TAG`]. A container's rootfs is mounted on the
+//! host at `shared/<cid>/rootfs`; each bind mount's host source (volumes, /etc/hosts,
+//! /etc/resolv.conf, /etc/hostname, /dev/shm, termination-log) is bind-mounted at
+//! `shared/<cid>/mounts/<n>`. Then in the spec:
+//!
+//! - `root.path` becomes the guest path of the rootfs;
+//! - each bind mount's `source` becomes the guest path of its share;
+//! - namespaces with a host path (`/proc/<pause-pid>/ns/*`): `network`, `ipc` and `uts` entries
+//!   are dropped (the container joins the VM's, which are the pod's); others lose the path (new
+//!   namespace);
+//! - `linux.cgroupsPath` and `hooks` are removed (host cgroups and host binaries mean nothing in
+//!   the guest; the agent picks the cgroup).
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+
+/// The virtio-fs tag of the pod's shared directory.
+pub const SHARED_FS_TAG: &str = "microvm-shared";
+/// Where the guest mounts the pod's shared directory.
+pub const GUEST_SHARED_DIR: &str = "/run/microvm-shared";
+
+/// A host path to bind-mount into the shared directory, at `shared/<relative>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareBind {
+    /// The host source of the spec's mount.
+    pub host_source: PathBuf,
+    /// Where under the pod's shared directory it goes.
+    pub relative: PathBuf,
+    /// Whether the spec asks for it read-only.
+    pub readonly: bool,
+}
+
+/// Why a spec cannot be rewritten.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SpecError {
+    #[error("OCI spec: {0}")]
+    Invalid(String),
+}
+
+/// The guest path of container `cid`'s rootfs.
+pub fn guest_rootfs(cid: &str) -> String {
+    format!("{GUEST_SHARED_DIR}/{cid}/rootfs")
+}
+
+/// Rewrites `spec` for the guest; returns the host paths to share first.
+pub fn rewrite_for_guest(spec: &mut Value, cid: &str) -> Result<Vec<ShareBind>, SpecError> {
+    if cid.is_empty() || cid.contains('/') || cid == "." || cid == ".." {
+        return Err(SpecError::Invalid(format!("container id {cid:?}")));
+    }
+    let obj = spec
+        .as_object_mut()
+        .ok_or_else(|| SpecError::Invalid("not a JSON object".into()))?;
+    let root = obj
+        .entry("root")
+        .or_insert_with(|| Value::Object(Default::default()));
+    let root = root
+        .as_object_mut()
+        .ok_or_else(|| SpecError::Invalid("root is not an object".into()))?;
+    root.insert("path".into(), Value::String(guest_rootfs(cid)));
+    obj.remove("hooks");
+
+    let mut binds = Vec::new();
+    if let Some(mounts) = obj.get_mut("mounts") {
+        let mounts = mounts
+            .as_array_mut()
+            .ok_or_else(|| SpecError::Invalid("mounts is not an array".into()))?;
+        for (n, m) in mounts.iter_mut().enumerate() {
+            let options: Vec<String> = m
+                .get("options")
+                .and_then(Value::as_array)
+                .map(|o| {
+                    o.iter()
+                        .filter_map(|v| v.as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let is_bind = m.get("type").and_then(Value::as_str) == Some("bind")
+                || options.iter().any(|o| o == "bind" || o == "rbind");
+            if !is_bind {
+                continue;
+            }
+            let Some(source) = m.get("source").and_then(Value::as_str) else {
+                return Err(SpecError::Invalid(format!("bind mount {n} has no source")));
+            };
+            if !source.starts_with('/') {
+                return Err(SpecError::Invalid(format!(
+                    "bind mount source {source:?} is not absolute"
+                )));
+            }
+            let relative = PathBuf::from(cid).join("mounts").join(n.to_string());
+            binds.push(ShareBind {
+                host_source: PathBuf::from(source),
+                relative: relative.clone(),
+                readonly: options.iter().any(|o| o == "ro"),
+            });
+            m["source"] = Value::String(format!("{GUEST_SHARED_DIR}/{}", relative.display()));
+        }
+    }
+
+    if let Some(linux) = obj.get_mut("linux").and_then(Value::as_object_mut) {
+        linux.remove("cgroupsPath");
+        if let Some(nss) = linux.get_mut("namespaces").and_then(Value::as_array_mut) {
+            nss.retain_mut(|ns| {
+                let host_path = ns
+                    .get("path")
+                    .and_then(Value::as_str)
+                    .is_some_and(|p| !p.is_empty() && !p.starts_with("container:"));
+                if !host_path {
+                    return true;
+                }
+                let kind = ns.get("type").and_then(Value::as_str).unwrap_or_default();
+                if matches!(kind, "network" | "ipc" | "uts") {
+                    return false;
+                }
+                if let Some(o) = ns.as_object_mut() {
+                    o.remove("path");
+                }
+                true
+            });
+        }
+    }
+    Ok(binds)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn cri_app_spec() -> Value {
+        json!({
+            "ociVersion": "1.0.2-dev",
+            "process": {"args": ["sh"], "cwd": "/"},
+            "root": {"path": "rootfs", "readonly": false},
+            "hooks": {"createRuntime": [{"path": "/usr/bin/nvidia-hook"}]},
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/etc/hosts", "type": "bind",
+                 "source": "/var/lib/containerd/sandboxes/s1/hosts", "options": ["rbind", "rprivate", "rw"]},
+                {"destination": "/dev/shm", "type": "bind",
+                 "source": "/run/containerd/sandboxes/s1/shm", "options": ["rbind", "ro"]},
+                {"destination": "/data", "source": "/srv/vol", "options": ["bind"]}
+            ],
+            "linux": {
+                "cgroupsPath": "/kubepods/pod1/c1",
+                "namespaces": [
+                    {"type": "pid"},
+                    {"type": "ipc", "path": "/proc/42/ns/ipc"},
+                    {"type": "uts", "path": "/proc/42/ns/uts"},
+                    {"type": "mount"},
+                    {"type": "network", "path": "/proc/42/ns/net"},
+                    {"type": "cgroup", "path": "/proc/42/ns/cgroup"},
+                    {"type": "user", "path": "container:c0"}
+                ]
+            },
+            "annotations": {"io.kubernetes.cri.sandbox-id": "s1"}
+        })
+    }
+
+    #[test]
+    fn rewrites_root_mounts_namespaces_and_drops_host_bits() {
+        let mut spec = cri_app_spec();
+        let binds = rewrite_for_guest(&mut spec, "c1").unwrap();
+        assert_eq!(spec["root"]["path"], "/run/microvm-shared/c1/rootfs");
+        assert_eq!(spec["root"]["readonly"], false);
+        assert!(spec.get("hooks").is_none());
+        assert!(spec["linux"].get("cgroupsPath").is_none());
+        assert_eq!(
+            spec["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "mount"}, {"type": "cgroup"},
+                   {"type": "user", "path": "container:c0"}])
+        );
+        assert_eq!(spec["mounts"][0]["source"], "proc");
+        assert_eq!(
+            spec["mounts"][1]["source"],
+            "/run/microvm-shared/c1/mounts/1"
+        );
+        assert_eq!(
+            spec["mounts"][3]["source"],
+            "/run/microvm-shared/c1/mounts/3"
+        );
+        assert_eq!(
+            binds,
+            vec![
+                ShareBind {
+                    host_source: "/var/lib/containerd/sandboxes/s1/hosts".into(),
+                    relative: "c1/mounts/1".into(),
+                    readonly: false
+                },
+                ShareBind {
+                    host_source: "/run/containerd/sandboxes/s1/shm".into(),
+                    relative: "c1/mounts/2".into(),
+                    readonly: true
+                },
+                ShareBind {
+                    host_source: "/srv/vol".into(),
+                    relative: "c1/mounts/3".into(),
+                    readonly: false
+                },
+            ]
+        );
+        // Untouched parts stay.
+        assert_eq!(spec["process"]["args"], json!(["sh"]));
+        assert_eq!(spec["annotations"]["io.kubernetes.cri.sandbox-id"], "s1");
+    }
+
+    #[test]
+    fn rejects_bad_specs_and_ids() {
+        for id in ["", "..", "a/b"] {
+            assert!(rewrite_for_guest(&mut cri_app_spec(), id).is_err());
+        }
+        assert!(rewrite_for_guest(&mut json!([]), "c").is_err());
+        assert!(rewrite_for_guest(&mut json!({"root": 3}), "c").is_err());
+        assert!(rewrite_for_guest(&mut json!({"mounts": {}}), "c").is_err());
+        let mut rel = json!({"mounts": [{"destination": "/x", "type": "bind", "source": "x"}]});
+        assert!(rewrite_for_guest(&mut rel, "c").is_err());
+        let mut nosrc = json!({"mounts": [{"destination": "/x", "type": "bind"}]});
+        assert!(rewrite_for_guest(&mut nosrc, "c").is_err());
+        // A minimal spec gets a root.
+        let mut min = json!({});
+        assert!(rewrite_for_guest(&mut min, "c").unwrap().is_empty());
+        assert_eq!(min["root"]["path"], "/run/microvm-shared/c/rootfs");
+    }
+}
