@@ -45,6 +45,16 @@ pub struct GuestSpec {
     pub work_dir: PathBuf,
 }
 
+/// A host directory exported to the guest over virtio-fs: the embedded VMM's own device, or
+/// virtiofsd under QEMU. The guest mounts it with `mount -t virtiofs <tag> <dir>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedDir {
+    /// The virtio-fs tag (1 to 36 bytes).
+    pub tag: String,
+    /// The host directory.
+    pub host_dir: PathBuf,
+}
+
 /// Errors of starting or running a guest.
 #[derive(Debug, thiserror::Error)]
 pub enum GuestVmError {
@@ -74,9 +84,10 @@ pub enum GuestVmError {
 /// The line the agent prints on the console once it serves (guest-agent/src/main.rs).
 pub const AGENT_READY_LINE: &str = "microvm-agent: ready";
 
+/// The QEMU variant is boxed: it is twice the size of the embedded VMM's handle.
 enum Running {
     Kvm(vmm::VmHandle),
-    Qemu(QemuVm),
+    Qemu(Box<QemuVm>),
 }
 
 /// A running guest. Dropping it stops the VM and removes its work folder.
@@ -98,6 +109,15 @@ pub const KVM_GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet";
 impl GuestVm {
     /// Boots `spec` with `backend`.
     pub fn start(backend: Backend, spec: &GuestSpec) -> Result<GuestVm, GuestVmError> {
+        Self::start_with_shared_dir(backend, spec, None)
+    }
+
+    /// Boots `spec` with `backend`, exporting `shared` to the guest over virtio-fs.
+    pub fn start_with_shared_dir(
+        backend: Backend,
+        spec: &GuestSpec,
+        shared: Option<&SharedDir>,
+    ) -> Result<GuestVm, GuestVmError> {
         std::fs::create_dir_all(&spec.work_dir).map_err(|source| GuestVmError::WorkDir {
             path: spec.work_dir.clone(),
             source,
@@ -105,8 +125,8 @@ impl GuestVm {
         let started_at = Instant::now();
         let console_log = spec.work_dir.join("console.log");
         let result = match backend {
-            Backend::Kvm => Self::start_kvm(spec, &console_log),
-            Backend::Qemu => Self::start_qemu(spec, &console_log),
+            Backend::Kvm => Self::start_kvm(spec, &console_log, shared),
+            Backend::Qemu => Self::start_qemu(spec, &console_log, shared),
         };
         match result {
             Ok((running, agent_socket, detail)) => Ok(GuestVm {
@@ -128,6 +148,7 @@ impl GuestVm {
     fn start_kvm(
         spec: &GuestSpec,
         console_log: &Path,
+        shared: Option<&SharedDir>,
     ) -> Result<(Running, PathBuf, String), GuestVmError> {
         let uds = spec.work_dir.join("vsock.sock");
         let mut cfg = vmm::VmConfig::new(&spec.kernel);
@@ -140,6 +161,10 @@ impl GuestVm {
             guest_cid: GUEST_CID,
             uds_path: uds.clone(),
         });
+        cfg.shared_fs = shared.map(|s| vmm::SharedFsConfig {
+            tag: s.tag.clone(),
+            host_dir: s.host_dir.clone(),
+        });
         let handle = vmm::Vm::start(cfg)?;
         let detail = format!("embedded vmm on /dev/kvm, {} entry", handle.boot_entry());
         Ok((Running::Kvm(handle), uds, detail))
@@ -148,6 +173,7 @@ impl GuestVm {
     fn start_qemu(
         spec: &GuestSpec,
         console_log: &Path,
+        shared: Option<&SharedDir>,
     ) -> Result<(Running, PathBuf, String), GuestVmError> {
         let memory_mib =
             u32::try_from(spec.memory_mib).map_err(|_| GuestVmError::Memory(spec.memory_mib))?;
@@ -162,6 +188,10 @@ impl GuestVm {
         cfg.guest_cid = GUEST_CID;
         cfg.accel = Accel::Auto;
         cfg.console_log = Some(console_log.to_path_buf());
+        cfg.shared_fs = shared.map(|s| qemu::QemuSharedFs {
+            tag: s.tag.clone(),
+            host_dir: s.host_dir.clone(),
+        });
         let accel = match cfg.accel.resolve() {
             Accel::Kvm => "KVM",
             _ => "TCG (software emulation)",
@@ -169,7 +199,7 @@ impl GuestVm {
         let vm = QemuVm::start(cfg)?;
         let uds = vm.vsock_uds_path().to_path_buf();
         let detail = format!("qemu -M microvm, {accel}");
-        Ok((Running::Qemu(vm), uds, detail))
+        Ok((Running::Qemu(Box::new(vm)), uds, detail))
     }
 
     /// The backend running the guest.

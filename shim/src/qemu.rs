@@ -108,7 +108,23 @@ pub struct QemuConfig {
     pub console_log: Option<PathBuf>,
     /// How long [`QemuVm::start`] waits for the guest's first console output (default 60 s).
     pub start_timeout: Duration,
+    /// A host directory exported to the guest over virtio-fs (served by `virtiofsd`).
+    pub shared_fs: Option<QemuSharedFs>,
+    /// The virtiofsd binary (default: Debian QEMU's `/usr/lib/qemu/virtiofsd`).
+    pub virtiofsd_binary: PathBuf,
 }
+
+/// A directory the guest mounts with `mount -t virtiofs <tag> <dir>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QemuSharedFs {
+    /// The virtio-fs tag.
+    pub tag: String,
+    /// The host directory served.
+    pub host_dir: PathBuf,
+}
+
+/// Where Debian's qemu-system-x86 package puts virtiofsd.
+pub const DEFAULT_VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
 
 impl QemuConfig {
     /// A config with the defaults: 1 vCPU, 256 MiB, CID 3, [`Accel::Auto`].
@@ -131,6 +147,8 @@ impl QemuConfig {
             accel: Accel::Auto,
             console_log: None,
             start_timeout: Duration::from_secs(60),
+            shared_fs: None,
+            virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
         }
     }
 
@@ -154,6 +172,21 @@ impl QemuConfig {
                 u32::MAX,
                 self.guest_cid
             )));
+        }
+        if let Some(fs) = &self.shared_fs {
+            // virtio-fs tags are at most 36 bytes; a comma would end QEMU's option value.
+            if fs.tag.is_empty() || fs.tag.len() > 36 || fs.tag.contains([',', '\0']) {
+                return Err(QemuError::InvalidConfig(format!(
+                    "shared_fs tag must be 1..=36 bytes without commas, got {:?}",
+                    fs.tag
+                )));
+            }
+            if !fs.host_dir.is_dir() {
+                return Err(QemuError::InvalidConfig(format!(
+                    "shared_fs directory {} is not a directory",
+                    fs.host_dir.display()
+                )));
+            }
         }
         for (what, path) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
             File::open(path).map_err(|source| QemuError::Unreadable {
@@ -239,8 +272,11 @@ struct VmPaths {
     vhost_socket: PathBuf,
     /// The hybrid-vsock host socket.
     vsock_uds: PathBuf,
+    /// vhost-user socket between QEMU and virtiofsd.
+    virtiofs_socket: PathBuf,
     qemu_stderr: PathBuf,
     backend_stderr: PathBuf,
+    virtiofsd_stderr: PathBuf,
     console_log: PathBuf,
     /// Whether `console_log` is ours to remove.
     console_is_ours: bool,
@@ -260,8 +296,10 @@ impl VmPaths {
         let paths = VmPaths {
             vhost_socket: cfg.work_dir.join("vhost-user-vsock.sock"),
             vsock_uds: cfg.work_dir.join("vsock.sock"),
+            virtiofs_socket: cfg.work_dir.join("virtiofsd.sock"),
             qemu_stderr: cfg.work_dir.join("qemu.stderr"),
             backend_stderr: cfg.work_dir.join("vhost-device-vsock.stderr"),
+            virtiofsd_stderr: cfg.work_dir.join("virtiofsd.stderr"),
             console_log: cfg
                 .console_log
                 .clone()
@@ -270,7 +308,11 @@ impl VmPaths {
             work_dir: cfg.work_dir.clone(),
             work_dir_is_ours,
         };
-        for sock in [&paths.vhost_socket, &paths.vsock_uds] {
+        for sock in [
+            &paths.vhost_socket,
+            &paths.vsock_uds,
+            &paths.virtiofs_socket,
+        ] {
             let len = sock.as_os_str().len();
             if len > MAX_SOCKET_PATH {
                 paths.remove_all();
@@ -281,7 +323,11 @@ impl VmPaths {
             }
         }
         // Leftovers of a VM that died with its parent: the sockets are re-created below.
-        for stale in [&paths.vhost_socket, &paths.vsock_uds] {
+        for stale in [
+            &paths.vhost_socket,
+            &paths.vsock_uds,
+            &paths.virtiofs_socket,
+        ] {
             let _ = fs::remove_file(stale);
         }
         Ok(paths)
@@ -289,7 +335,7 @@ impl VmPaths {
 
     /// Removes the sockets (once the VM has ended nobody can use them).
     fn remove_sockets(&self) {
-        for f in [&self.vhost_socket, &self.vsock_uds] {
+        for f in [&self.vhost_socket, &self.vsock_uds, &self.virtiofs_socket] {
             let _ = fs::remove_file(f);
         }
     }
@@ -299,8 +345,10 @@ impl VmPaths {
         let mut files = vec![
             &self.vhost_socket,
             &self.vsock_uds,
+            &self.virtiofs_socket,
             &self.qemu_stderr,
             &self.backend_stderr,
+            &self.virtiofsd_stderr,
         ];
         if self.console_is_ours {
             files.push(&self.console_log);
@@ -321,8 +369,10 @@ impl VmPaths {
 pub struct QemuVm {
     qemu: Option<Child>,
     backend: Option<Child>,
+    virtiofsd: Option<Child>,
     qemu_binary: PathBuf,
     backend_binary: PathBuf,
+    virtiofsd_binary: PathBuf,
     paths: VmPaths,
     exit_status: Option<ExitStatus>,
     cmdline: String,
@@ -338,8 +388,10 @@ impl QemuVm {
         let mut vm = QemuVm {
             qemu: None,
             backend: None,
+            virtiofsd: None,
             qemu_binary: cfg.qemu_binary.clone(),
             backend_binary: cfg.vhost_vsock_binary.clone(),
+            virtiofsd_binary: cfg.virtiofsd_binary.clone(),
             paths,
             exit_status: None,
             cmdline: kernel_cmdline(&cfg),
@@ -347,6 +399,7 @@ impl QemuVm {
         };
         // On error `vm` is dropped here, which kills, reaps and removes.
         vm.start_backend(&cfg)?;
+        vm.start_virtiofsd(&cfg)?;
         vm.start_qemu(&cfg)?;
         vm.wait_for_first_output(cfg.start_timeout)?;
         Ok(vm)
@@ -385,6 +438,70 @@ impl QemuVm {
                     socket: self.paths.vhost_socket.clone(),
                     timeout: BACKEND_SOCKET_TIMEOUT,
                     stderr: tail_of_file(&self.paths.backend_stderr, TAIL_LINES),
+                });
+            }
+            thread::sleep(POLL);
+        }
+    }
+
+    /// Starts virtiofsd for the shared directory, if any, and waits for its vhost-user socket.
+    /// `sandbox=chroot`: it serves from the host's mount namespace, so mounts made under the
+    /// directory later (container rootfs) are seen without mount propagation.
+    fn start_virtiofsd(&mut self, cfg: &QemuConfig) -> Result<(), QemuError> {
+        let Some(shared) = &cfg.shared_fs else {
+            return Ok(());
+        };
+        let stderr = create_file(&self.paths.virtiofsd_stderr)?;
+        let mut cmd = Command::new(&cfg.virtiofsd_binary);
+        cmd.arg(format!(
+            "--socket-path={}",
+            self.paths.virtiofs_socket.display()
+        ))
+        .arg("-o")
+        .arg(format!("source={}", shared.host_dir.display()))
+        .args([
+            "-o",
+            "cache=auto",
+            "-o",
+            "sandbox=chroot",
+            "-o",
+            "log_level=warn",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr);
+        self.virtiofsd = Some(spawn_tied_to_parent(&mut cmd, &cfg.virtiofsd_binary)?);
+        let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
+        loop {
+            if self.paths.virtiofs_socket.exists() {
+                return Ok(());
+            }
+            let exited = match self.virtiofsd.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => Some(status),
+                Some(Err(source)) => {
+                    return Err(QemuError::Wait {
+                        binary: self.virtiofsd_binary.clone(),
+                        pid: 0,
+                        source,
+                    })
+                }
+                _ => None,
+            };
+            if let Some(status) = exited {
+                self.virtiofsd = None;
+                return Err(QemuError::BackendExited {
+                    binary: self.virtiofsd_binary.clone(),
+                    status,
+                    socket: self.paths.virtiofs_socket.clone(),
+                    stderr: tail_of_file(&self.paths.virtiofsd_stderr, TAIL_LINES),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(QemuError::BackendTimeout {
+                    binary: self.virtiofsd_binary.clone(),
+                    socket: self.paths.virtiofs_socket.clone(),
+                    timeout: BACKEND_SOCKET_TIMEOUT,
+                    stderr: tail_of_file(&self.paths.virtiofsd_stderr, TAIL_LINES),
                 });
             }
             thread::sleep(POLL);
@@ -503,6 +620,7 @@ impl QemuVm {
         self.qemu
             .iter()
             .chain(self.backend.iter())
+            .chain(self.virtiofsd.iter())
             .map(Child::id)
             .collect()
     }
@@ -589,12 +707,18 @@ impl QemuVm {
                 log::warn!("{e}");
             }
         }
+        // virtiofsd usually ends by itself when QEMU disconnects.
+        if let Some(mut child) = self.virtiofsd.take() {
+            if let Err(e) = terminate(&mut child, &self.virtiofsd_binary) {
+                log::warn!("{e}");
+            }
+        }
     }
 }
 
 impl Drop for QemuVm {
     fn drop(&mut self) {
-        for child in [self.qemu.take(), self.backend.take()]
+        for child in [self.qemu.take(), self.backend.take(), self.virtiofsd.take()]
             .into_iter()
             .flatten()
         {
@@ -663,14 +787,17 @@ fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec<String> {
         &chardev,
         "-device",
         "vhost-user-vsock-device,chardev=vsock",
-        "-serial",
-        &serial,
-        "-kernel",
-        &kernel,
-        "-initrd",
-        &initrd,
-        "-append",
-        cmdline,
+    ]);
+    if let Some(shared) = &cfg.shared_fs {
+        let chardev = format!(
+            "socket,id=fs0,path={}",
+            qemu_opt_escape(&paths.virtiofs_socket)
+        );
+        let device = format!("vhost-user-fs-device,chardev=fs0,tag={}", shared.tag);
+        push(&["-chardev", &chardev, "-device", &device]);
+    }
+    push(&[
+        "-serial", &serial, "-kernel", &kernel, "-initrd", &initrd, "-append", cmdline,
     ]);
     args
 }
@@ -932,5 +1059,54 @@ mod tests {
     #[test]
     fn commas_in_paths_are_escaped() {
         assert_eq!(qemu_opt_escape(Path::new("/a,b/s")), "/a,,b/s");
+    }
+
+    #[test]
+    fn shared_fs_adds_the_vhost_user_fs_device_and_checks_its_tag() {
+        let dir = temp_dir("shared-fs");
+        let mut cfg = cfg_in(&dir);
+        cfg.shared_fs = Some(QemuSharedFs {
+            tag: "microvm-shared".into(),
+            host_dir: dir.clone(),
+        });
+        cfg.validate().unwrap();
+        let paths = VmPaths::new(&cfg).unwrap();
+        let args = qemu_args(&cfg, &paths, "console=ttyS0").join(" ");
+        assert!(
+            args.contains("-device vhost-user-fs-device,chardev=fs0,tag=microvm-shared"),
+            "{args}"
+        );
+        assert!(args.contains("virtiofsd.sock"), "{args}");
+        for bad in ["", "a,b", &"t".repeat(37)] {
+            cfg.shared_fs.as_mut().unwrap().tag = bad.to_string();
+            assert!(cfg.validate().is_err(), "{bad:?}");
+        }
+        cfg.shared_fs = Some(QemuSharedFs {
+            tag: "t".into(),
+            host_dir: dir.join("missing"),
+        });
+        assert!(cfg.validate().is_err());
+        paths.remove_all();
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn missing_virtiofsd_fails_and_cleans_up() {
+        let dir = temp_dir("no-virtiofsd");
+        let mut cfg = cfg_in(&dir);
+        // A stand-in vsock backend that "creates its socket" ($2 of `--socket <path>`) and runs.
+        let fake = dir.join("fake-backend");
+        fs::write(&fake, "#!/bin/sh\ntouch \"$2\"\nexec sleep 30\n").unwrap();
+        fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        cfg.vhost_vsock_binary = fake;
+        cfg.shared_fs = Some(QemuSharedFs {
+            tag: "t".into(),
+            host_dir: dir.clone(),
+        });
+        cfg.virtiofsd_binary = PathBuf::from("/nonexistent/virtiofsd");
+        let err = QemuVm::start(cfg).unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/virtiofsd"), "{err}");
+        assert!(!dir.join("w").exists());
+        let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -3,7 +3,7 @@
 //! design.md 3b), with our guest kernel and initrd from build/. Needs root, Debian's containerd,
 //! QEMU and vhost-device-vsock (scripts/install-deps.sh), and `make kernel initrd`.
 //!
-//! After each pod: no shim, QEMU or vhost-device-vsock process, no state directory
+//! After each pod: no shim, QEMU, vhost-device-vsock or virtiofsd process, no state directory
 //! (/run/microvm/<pod-id>), no mount under it and no shim socket remain.
 
 use microvm_tests::containerd::{ContainerdOptions, PrivateContainerd};
@@ -190,6 +190,10 @@ async fn microvm_pod_sandbox_runs_in_a_vm_and_leaves_nothing() {
     assert!(
         vm.iter().any(|(_, c)| c.contains("vhost-device-vsock")),
         "no vhost-device-vsock for the pod: {vm:?}"
+    );
+    assert!(
+        vm.iter().any(|(_, c)| c.contains("virtiofsd")),
+        "no virtiofsd for the pod's shared directory: {vm:?}"
     );
     assert_eq!(shim_pids(&ctrd, &pod.id).len(), 1, "one shim for the pod");
 

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{oneshot, watch};
 
 use crate::agent_client::{AgentClient, AgentInfo};
-use crate::guest_vm::{Backend, GuestSpec, GuestVm};
+use crate::guest_vm::{Backend, GuestSpec, GuestVm, SharedDir};
 use crate::task::state_dir::StateDir;
 
 /// How long the agent may take to print its ready line after the VM started.
@@ -63,10 +63,12 @@ pub struct SandboxVm {
 }
 
 impl SandboxVm {
-    /// Boots `spec` on `backend` from a new VM thread; returns once the agent answered Check.
+    /// Boots `spec` on `backend` from a new VM thread, exporting `shared` over virtio-fs;
+    /// returns once the agent answered Check.
     pub async fn boot(
         backend: Backend,
         spec: GuestSpec,
+        shared: Option<SharedDir>,
         state: StateDir,
     ) -> Result<SandboxVm, SandboxError> {
         let (ready_tx, ready_rx) = oneshot::channel();
@@ -74,7 +76,7 @@ impl SandboxVm {
         let (exit_tx, exit_rx) = watch::channel(None);
         std::thread::Builder::new()
             .name("microvm-vm".to_string())
-            .spawn(move || vm_thread(backend, spec, state, ready_tx, cmd_rx, exit_tx))
+            .spawn(move || vm_thread(backend, spec, shared, state, ready_tx, cmd_rx, exit_tx))
             .map_err(SandboxError::Thread)?;
         let (agent, info, detail) = ready_rx.await.map_err(|_| SandboxError::ThreadGone)??;
         Ok(SandboxVm {
@@ -134,12 +136,13 @@ type Ready = Result<(Arc<AgentClient>, AgentInfo, String), SandboxError>;
 fn vm_thread(
     backend: Backend,
     spec: GuestSpec,
+    shared: Option<SharedDir>,
     state: StateDir,
     ready: oneshot::Sender<Ready>,
     commands: mpsc::Receiver<Command>,
     exited: watch::Sender<Option<VmExit>>,
 ) {
-    let mut vm = match GuestVm::start(backend, &spec) {
+    let mut vm = match GuestVm::start_with_shared_dir(backend, &spec, shared.as_ref()) {
         Ok(vm) => vm,
         Err(e) => {
             let _ = ready.send(Err(SandboxError::Start(e.to_string())));

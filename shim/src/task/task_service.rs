@@ -23,7 +23,7 @@ use containerd_shim_protos::ttrpc::{self, r#async::TtrpcContext, Code};
 use tokio::sync::{watch, Mutex};
 
 use crate::config::{Config, Hypervisor};
-use crate::guest_vm::{Backend, GuestSpec};
+use crate::guest_vm::{Backend, GuestSpec, SharedDir};
 use crate::task::bundle::{self, Role};
 use crate::task::options;
 use crate::task::sandbox_vm::{SandboxVm, VmExit};
@@ -167,7 +167,19 @@ impl TaskService {
             size.vcpus,
             size.memory_mib
         );
-        let vm = match SandboxVm::boot(backend, spec, state.clone()).await {
+        let shared_dir = state.shared_dir();
+        if let Err(e) = std::fs::create_dir_all(&shared_dir) {
+            let _ = state.cleanup();
+            return Err(status(
+                Code::INTERNAL,
+                format!("microvm: creating {}: {e}", shared_dir.display()),
+            ));
+        }
+        let shared = SharedDir {
+            tag: crate::task::guest_spec::SHARED_FS_TAG.to_string(),
+            host_dir: shared_dir,
+        };
+        let vm = match SandboxVm::boot(backend, spec, Some(shared), state.clone()).await {
             Ok(vm) => vm,
             Err(e) => {
                 if let Err(c) = state.cleanup() {
