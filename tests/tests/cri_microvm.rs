@@ -292,3 +292,53 @@ async fn after_kill_9_of_the_shim_containerd_cleanup_leaves_nothing_and_the_pod_
     cri.remove_pod_sandbox(&again.id).await.unwrap();
     assert_pod_gone(&ctrd, &again.id, Duration::from_secs(20));
 }
+
+/// The pod's app containers: rootfs and bind sources shared into the VM over virtio-fs, run by
+/// the agent, output in the CRI log, exact exit code. Ignored until the agent mounts the share
+/// (tag `microvm-shared` at `/run/microvm-shared`, shim/src/task/guest_spec.rs): without it the
+/// agent cannot find the rootfs and CreateContainer fails naming the guest path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the guest agent to mount the virtio-fs share microvm-shared at /run/microvm-shared"]
+async fn microvm_app_container_runs_with_output_and_exit_code() {
+    use microvm_tests::cri::{container_config, read_cri_log};
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-app", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let exits = cri
+        .create_container(
+            &pod,
+            container_config("exit3", BUSYBOX_IMAGE, &["sh", "-c", "echo hello; exit 3"]),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.start_container(&exits)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let status = cri
+        .wait_container_exited(&exits, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(status.exit_code, 3, "{status:?}");
+    let log = read_cri_log(Path::new(&status.log_path)).unwrap();
+    assert!(
+        log.iter()
+            .any(|l| l.stream == "stdout" && l.text == "hello"),
+        "{log:?}"
+    );
+    cri.remove_container(&exits).await.unwrap();
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+}

@@ -9,6 +9,7 @@
 //! - [`bundle`]: the container's role (sandbox, app, standalone) from its spec's annotations.
 //! - [`options`]: the handler's `ConfigPath` from the runtime options.
 //! - [`guest_spec`]: an app container's OCI spec rewritten for the guest.
+//! - [`stdio`]: a process's FIFOs copied to and from the agent's stdio streams.
 //! - [`share`]: an app container's rootfs and bind sources mounted into the pod's shared folder.
 
 pub mod bundle;
@@ -18,4 +19,5 @@ pub mod sandbox_vm;
 pub mod service;
 pub mod share;
 pub mod state_dir;
+pub mod stdio;
 pub mod task_service;

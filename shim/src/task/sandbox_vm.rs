@@ -7,6 +7,7 @@
 //! tokio blocking task, matters: QEMU's children get `PR_SET_PDEATHSIG` tied to the thread that
 //! spawned them, so that thread must live exactly as long as the VM.
 
+use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, SystemTime};
 
@@ -58,6 +59,7 @@ pub struct SandboxVm {
     commands: mpsc::Sender<Command>,
     exited: watch::Receiver<Option<VmExit>>,
     agent: Arc<AgentClient>,
+    agent_socket: PathBuf,
     info: AgentInfo,
     detail: String,
 }
@@ -78,11 +80,13 @@ impl SandboxVm {
             .name("microvm-vm".to_string())
             .spawn(move || vm_thread(backend, spec, shared, state, ready_tx, cmd_rx, exit_tx))
             .map_err(SandboxError::Thread)?;
-        let (agent, info, detail) = ready_rx.await.map_err(|_| SandboxError::ThreadGone)??;
+        let (agent, agent_socket, info, detail) =
+            ready_rx.await.map_err(|_| SandboxError::ThreadGone)??;
         Ok(SandboxVm {
             commands: cmd_tx,
             exited: exit_rx,
             agent,
+            agent_socket,
             info,
             detail,
         })
@@ -101,6 +105,11 @@ impl SandboxVm {
     /// The connected agent.
     pub fn agent(&self) -> Arc<AgentClient> {
         self.agent.clone()
+    }
+
+    /// The VM's hybrid-vsock socket (for the agent's stdio streams).
+    pub fn agent_socket(&self) -> &Path {
+        &self.agent_socket
     }
 
     /// Asks the VM to stop; it reports `status` as its exit. No-op once it has ended.
@@ -131,7 +140,7 @@ impl SandboxVm {
     }
 }
 
-type Ready = Result<(Arc<AgentClient>, AgentInfo, String), SandboxError>;
+type Ready = Result<(Arc<AgentClient>, PathBuf, AgentInfo, String), SandboxError>;
 
 fn vm_thread(
     backend: Backend,
@@ -178,7 +187,11 @@ fn vm_thread(
             );
             let agent = Arc::new(agent);
             let detail = vm.detail().to_string();
-            if ready.send(Ok((agent.clone(), info, detail))).is_err() {
+            let socket = vm.agent_socket().to_path_buf();
+            if ready
+                .send(Ok((agent.clone(), socket, info, detail)))
+                .is_err()
+            {
                 // Nobody waits for this VM any more: it is dropped (stopped) below.
                 return;
             }

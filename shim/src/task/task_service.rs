@@ -25,12 +25,18 @@ use tokio::sync::{watch, Mutex};
 use crate::config::{Config, Hypervisor};
 use crate::guest_vm::{Backend, GuestSpec, SharedDir};
 use crate::task::bundle::{self, Role};
+use crate::task::guest_spec;
 use crate::task::options;
 use crate::task::sandbox_vm::{SandboxVm, VmExit};
 use crate::task::service::timestamp;
+use crate::task::share::{self, RootfsMount};
 use crate::task::state_dir::{state_root, StateDir};
+use crate::task::stdio::{self, Fifos};
 
 type TtrpcResult<T> = Result<T, ttrpc::Error>;
+
+/// Each WaitProcess call to the agent is bounded by this; the wait is renewed until the exit.
+const APP_WAIT_SLICE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 fn status(code: Code, message: impl Into<String>) -> ttrpc::Error {
     ttrpc::Error::RpcStatus(ttrpc::get_status(code, message.into()))
@@ -44,12 +50,14 @@ enum Phase {
     Stopped,
 }
 
-/// A container this shim serves (today: the pod's sandbox).
+/// A container this shim serves: the pod's sandbox (its VM) or an app container in the VM.
 struct Container {
     bundle: String,
     pid: u32,
     phase: Phase,
     exit: watch::Receiver<Option<VmExit>>,
+    /// For app containers: where their exit is reported (the sandbox's comes from the VM).
+    app_exit: Option<Arc<watch::Sender<Option<VmExit>>>>,
 }
 
 /// The pod: its state directory and VM.
@@ -210,6 +218,7 @@ impl TaskService {
                 pid,
                 phase: Phase::Created,
                 exit: exit.clone(),
+                app_exit: None,
             },
         );
         drop(inner);
@@ -242,6 +251,168 @@ impl TaskService {
                         pid,
                         exit_status: ended.status,
                         exited_at: Some(timestamp(ended.at)).into(),
+                        ..Default::default()
+                    }),
+                )
+                .await;
+        });
+    }
+
+    /// Create of an app container: its rootfs and bind sources go into the pod's shared
+    /// directory, its spec is rewritten for the guest, the agent creates it, and its stdio
+    /// FIFOs are attached to the agent's stdio streams.
+    async fn create_app(
+        &self,
+        req: &api::CreateTaskRequest,
+        mut spec: serde_json::Value,
+        sandbox_id: &str,
+    ) -> TtrpcResult<u32> {
+        let (agent, socket, state) = {
+            let inner = self.inner.lock().await;
+            if inner.containers.contains_key(&req.id) {
+                return Err(status(
+                    Code::ALREADY_EXISTS,
+                    format!("microvm: container {} exists", req.id),
+                ));
+            }
+            let pod = inner
+                .pod
+                .as_ref()
+                .filter(|p| p.id == sandbox_id)
+                .ok_or_else(|| {
+                    status(
+                        Code::NOT_FOUND,
+                        format!(
+                            "microvm: pod {sandbox_id} of container {} is not served by this shim",
+                            req.id
+                        ),
+                    )
+                })?;
+            (
+                pod.vm.agent(),
+                pod.vm.agent_socket().to_path_buf(),
+                pod.state.clone(),
+            )
+        };
+        let binds = guest_spec::rewrite_for_guest(&mut spec, &req.id)
+            .map_err(|e| status(Code::INVALID_ARGUMENT, format!("microvm: {e}")))?;
+        let rootfs: Vec<RootfsMount> = req
+            .rootfs
+            .iter()
+            .map(|m| RootfsMount {
+                fs_type: m.type_.clone(),
+                source: m.source.clone(),
+                options: m.options.clone(),
+            })
+            .collect();
+        let fifos = Fifos {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let id = req.id.clone();
+        let bundle_rootfs = PathBuf::from(&req.bundle).join("rootfs");
+        let created = tokio::task::spawn_blocking(move || -> Result<u32, String> {
+            share::share_container(&state, &id, &rootfs, &bundle_rootfs, &binds)
+                .map_err(|e| e.to_string())?;
+            let undo = |msg: String| {
+                let _ = share::unshare_container(&state, &id);
+                msg
+            };
+            let json = serde_json::to_vec(&spec).map_err(|e| undo(e.to_string()))?;
+            let request = agent_protocol::agent::CreateContainerRequest {
+                container_id: id.clone(),
+                oci_spec_json: json,
+                stdio: Some(agent_protocol::agent::Stdio {
+                    terminal: fifos.terminal,
+                    stdin: !fifos.stdin.is_empty(),
+                    stdout: !fifos.stdout.is_empty(),
+                    stderr: !fifos.stderr.is_empty() && !fifos.terminal,
+                    ..Default::default()
+                })
+                .into(),
+                ..Default::default()
+            };
+            let pid = agent
+                .create_container(&request)
+                .map_err(|e| undo(e.to_string()))?;
+            if let Err(e) = stdio::attach(&socket, &id, "", &fifos) {
+                let _ = agent.remove_container(&id);
+                return Err(undo(e.to_string()));
+            }
+            Ok(pid)
+        })
+        .await
+        .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
+        let pid = created.map_err(|e| {
+            status(
+                Code::UNKNOWN,
+                format!("microvm: creating container {}: {e}", req.id),
+            )
+        })?;
+        let (tx, rx) = watch::channel(None);
+        self.inner.lock().await.containers.insert(
+            req.id.clone(),
+            Container {
+                bundle: req.bundle.clone(),
+                pid,
+                phase: Phase::Created,
+                exit: rx,
+                app_exit: Some(Arc::new(tx)),
+            },
+        );
+        Ok(pid)
+    }
+
+    async fn pod_agent(&self) -> TtrpcResult<Arc<crate::agent_client::AgentClient>> {
+        let inner = self.inner.lock().await;
+        inner
+            .pod
+            .as_ref()
+            .map(|p| p.vm.agent())
+            .ok_or_else(|| status(Code::FAILED_PRECONDITION, "microvm: no pod VM"))
+    }
+
+    /// Waits (in the agent) for app container `id`'s init to exit, then reports it.
+    fn spawn_app_waiter(&self, id: String, pid: u32, agent: Arc<crate::agent_client::AgentClient>) {
+        let service = self.clone();
+        tokio::spawn(async move {
+            let wid = id.clone();
+            let status = tokio::task::spawn_blocking(move || loop {
+                match agent.wait_process(&wid, "", APP_WAIT_SLICE) {
+                    Ok((status, _)) => break status,
+                    Err(crate::agent_client::AgentError::Rpc {
+                        source: ttrpc::Error::Others(ref m),
+                        ..
+                    }) if m.contains("imeout") => continue,
+                    Err(e) => {
+                        log::warn!("waiting for container {wid}: {e}");
+                        break crate::task::sandbox_vm::UNEXPECTED_EXIT_STATUS;
+                    }
+                }
+            })
+            .await
+            .unwrap_or(crate::task::sandbox_vm::UNEXPECTED_EXIT_STATUS);
+            let exit = VmExit {
+                status,
+                at: SystemTime::now(),
+            };
+            if let Some(c) = service.inner.lock().await.containers.get_mut(&id) {
+                c.phase = Phase::Stopped;
+                if let Some(tx) = &c.app_exit {
+                    let _ = tx.send(Some(exit));
+                }
+            }
+            service
+                .publish(
+                    topics::TASK_EXIT_EVENT_TOPIC,
+                    Box::new(TaskExit {
+                        container_id: id.clone(),
+                        id: id.clone(),
+                        pid,
+                        exit_status: status,
+                        exited_at: Some(timestamp(exit.at)).into(),
                         ..Default::default()
                     }),
                 )
@@ -303,15 +474,7 @@ impl Task for TaskService {
         let annotations = bundle::annotations(&spec);
         let pid = match Role::from_annotations(&req.id, &annotations) {
             Role::Sandbox => self.create_sandbox(&req, &annotations).await?,
-            Role::App { sandbox_id } => {
-                return Err(status(
-                    Code::UNIMPLEMENTED,
-                    format!(
-                        "microvm: app containers are not supported yet (container {} of pod {sandbox_id})",
-                        req.id
-                    ),
-                ))
-            }
+            Role::App { sandbox_id } => self.create_app(&req, spec, &sandbox_id).await?,
             Role::Standalone => {
                 return Err(status(
                     Code::UNIMPLEMENTED,
@@ -354,6 +517,28 @@ impl Task for TaskService {
         req: api::StartRequest,
     ) -> TtrpcResult<api::StartResponse> {
         no_exec(&req.exec_id)?;
+        let is_app = {
+            let inner = self.inner.lock().await;
+            let c = inner
+                .containers
+                .get(&req.id)
+                .ok_or_else(|| not_found(&req.id))?;
+            c.app_exit.is_some() && c.phase == Phase::Created
+        };
+        if is_app {
+            let agent = self.pod_agent().await?;
+            let (id, a) = (req.id.clone(), agent.clone());
+            let pid = tokio::task::spawn_blocking(move || a.start_container(&id))
+                .await
+                .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?
+                .map_err(|e| {
+                    status(
+                        Code::UNKNOWN,
+                        format!("microvm: starting container {}: {e}", req.id),
+                    )
+                })?;
+            self.spawn_app_waiter(req.id.clone(), pid, agent);
+        }
         let pid = {
             let mut inner = self.inner.lock().await;
             let c = inner
@@ -434,6 +619,20 @@ impl Task for TaskService {
         if req.signal == 0 {
             return Ok(api::Empty::new());
         }
+        if c.app_exit.is_some() {
+            let agent = inner
+                .pod
+                .as_ref()
+                .map(|p| p.vm.agent())
+                .ok_or_else(|| not_found(&req.id))?;
+            drop(inner);
+            let (id, signal, all) = (req.id.clone(), req.signal, req.all);
+            tokio::task::spawn_blocking(move || agent.signal_process(&id, "", signal, all))
+                .await
+                .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?
+                .map_err(|e| status(Code::UNKNOWN, format!("microvm: {e}")))?;
+            return Ok(api::Empty::new());
+        }
         let Some(pod) = inner.pod.as_ref().filter(|p| p.id == req.id) else {
             return Err(not_found(&req.id));
         };
@@ -490,7 +689,28 @@ impl Task for TaskService {
             }
             exit
         } else {
-            wait_exit(container.exit.clone()).await
+            let exit = (*container.exit.borrow()).unwrap_or(VmExit {
+                status: 0,
+                at: SystemTime::now(),
+            });
+            let pod = {
+                let inner = self.inner.lock().await;
+                inner.pod.as_ref().map(|p| (p.vm.agent(), p.state.clone()))
+            };
+            if let Some((agent, state)) = pod {
+                let id = req.id.clone();
+                let undone = tokio::task::spawn_blocking(move || {
+                    if let Err(e) = agent.remove_container(&id) {
+                        log::warn!("removing container {id} in the guest: {e}");
+                    }
+                    share::unshare_container(&state, &id)
+                })
+                .await;
+                if let Ok(Err(e)) = undone {
+                    log::warn!("unsharing container {}: {e}", req.id);
+                }
+            }
+            exit
         };
         self.publish(
             topics::TASK_DELETE_EVENT_TOPIC,
