@@ -58,6 +58,10 @@ fn shim_bin_dir() -> PathBuf {
 
 /// A shim config for the QEMU backend with our kernel and initrd (or the given kernel).
 fn write_config(dir: &Path, kernel: Option<&Path>) -> PathBuf {
+    write_config_for(dir, kernel, "qemu")
+}
+
+fn write_config_for(dir: &Path, kernel: Option<&Path>, hypervisor: &str) -> PathBuf {
     let build = repo().join("build");
     let default_kernel = build.join("vmlinux");
     let kernel = kernel.unwrap_or(&default_kernel);
@@ -72,7 +76,7 @@ fn write_config(dir: &Path, kernel: Option<&Path>) -> PathBuf {
     std::fs::write(
         &path,
         format!(
-            "hypervisor = \"qemu\"\nkernel = \"{}\"\ninitrd = \"{}\"\n",
+            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\n",
             kernel.display(),
             build.join("initrd.cpio").display()
         ),
@@ -291,6 +295,57 @@ async fn after_kill_9_of_the_shim_containerd_cleanup_leaves_nothing_and_the_pod_
     cri.stop_pod_sandbox(&again.id).await.unwrap();
     cri.remove_pod_sandbox(&again.id).await.unwrap();
     assert_pod_gone(&ctrd, &again.id, Duration::from_secs(20));
+}
+
+/// `hypervisor = "kvm"` (the embedded VMM): where check-host says this host cannot boot the
+/// guest (kvm-pvm here), RunPodSandbox fails fast with that reason and leaks nothing; where it
+/// can, the pod runs in a VM of the embedded VMM and leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvm_backend_runs_the_pod_or_fails_fast_with_check_hosts_reason() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config_for(dir.path(), None, "kvm");
+    let kernel = repo().join("build/vmlinux");
+    let blocker = shim::host_check::probe(Some(&kernel)).linux_guest_blocker();
+    let (ctrd, cri) = start(&config).await;
+    let t = Instant::now();
+    let result = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-kvm", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await;
+    let took = t.elapsed();
+    match blocker {
+        Some(reason) => {
+            let err = result
+                .expect_err("RunPodSandbox must fail where the guest cannot boot")
+                .to_string();
+            assert!(
+                err.contains(&reason),
+                "{err}\nexpected the reason: {reason}"
+            );
+            assert!(took < Duration::from_secs(10), "took {took:?}");
+            eprintln!("kvm backend on this host: RunPodSandbox failed in {took:?}: {err}");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !ctrd.leftover_processes().is_empty() {
+                assert!(
+                    Instant::now() < deadline,
+                    "left: {:?}",
+                    ctrd.leftover_processes()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        None => {
+            let pod =
+                result.unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+            eprintln!("kvm backend: RunPodSandbox took {took:?}");
+            cri.stop_pod_sandbox(&pod.id).await.unwrap();
+            cri.remove_pod_sandbox(&pod.id).await.unwrap();
+            assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+        }
+    }
 }
 
 /// The pod's app containers: rootfs and bind sources shared into the VM over virtio-fs, run by
