@@ -200,12 +200,34 @@ async fn microvm_pod_sandbox_runs_in_a_vm_and_leaves_nothing() {
         "no virtiofsd for the pod's shared directory: {vm:?}"
     );
     assert_eq!(shim_pids(&ctrd, &pod.id).len(), 1, "one shim for the pod");
+    // The shim logs through the bundle's `log` fifo into containerd's log.
+    let log = std::fs::read_to_string(ctrd.dir().join("containerd.log")).unwrap_or_default();
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&format!("sandbox {}: VM ready", pod.id))),
+        "the shim's log line is not in containerd's log:\n{}",
+        ctrd.log_tail()
+    );
 
     let t = Instant::now();
     cri.stop_pod_sandbox(&pod.id).await.unwrap();
     let stop = t.elapsed();
     let status = cri.pod_sandbox_status(&pod.id, false).await.unwrap();
     assert_eq!(status.status.map(|s| s.state), Some(1), "SANDBOX_NOTREADY");
+    // StopPodSandbox's SIGKILL ended the VM; the sandbox task reported (and published as
+    // TaskExit) 137. The VM's processes were waited for by the shim itself: no reaper stole them.
+    let log = std::fs::read_to_string(ctrd.dir().join("containerd.log")).unwrap_or_default();
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&format!("sandbox {}: VM ended, exit status 137", pod.id))),
+        "no exit status 137 for the sandbox in containerd's log:\n{}",
+        ctrd.log_tail()
+    );
+    assert!(
+        !log.contains("No child processes"),
+        "something reaped the VM's processes behind the shim:\n{}",
+        ctrd.log_tail()
+    );
     let t = Instant::now();
     cri.remove_pod_sandbox(&pod.id).await.unwrap();
     let remove = t.elapsed();

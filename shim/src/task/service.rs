@@ -43,11 +43,7 @@ pub struct MicrovmShim {
 impl Shim for MicrovmShim {
     type T = TaskService;
 
-    async fn new(_runtime_id: &str, args: &Flags, config: &mut Config) -> Self {
-        // The VM backends wait for their own children (QEMU, vhost-device-vsock): the crate's
-        // SIGCHLD reaper (waitpid(-1)) would steal their exit statuses.
-        config.no_reaper = true;
-        config.no_sub_reaper = true;
+    async fn new(_runtime_id: &str, args: &Flags, _config: &mut Config) -> Self {
         let bundle = if args.bundle.is_empty() {
             std::env::current_dir().unwrap_or_default()
         } else {
@@ -127,6 +123,19 @@ impl Shim for MicrovmShim {
             self.exit.clone(),
             config_path,
         )
+    }
+}
+
+/// The containerd-shim crate's settings for this shim; pass them to `run` (the crate installs
+/// its signal handlers before [`Shim::new`] could change them). The VM backends wait for their
+/// own children (QEMU, vhost-device-vsock, virtiofsd): the crate's SIGCHLD reaper
+/// (`waitpid(-1)`) would steal their exit statuses, so it is off, and so is the subreaper (the
+/// shim has no grandchildren to adopt).
+pub fn shim_config() -> Config {
+    Config {
+        no_reaper: true,
+        no_sub_reaper: true,
+        ..Config::default()
     }
 }
 
