@@ -28,11 +28,12 @@ set -e
 echo "$verdict"
 if [ $status -eq 0 ]; then
   cargo test --release -p microvm-tests --test kvm_linux_guest -- --include-ignored --test-threads=1 2>&1 | tee -a "$results"
-  skipped=0
+  ran_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 elif [ $status -eq 2 ]; then
   reason=$(echo "$verdict" | sed -n 's/^verdict: //p')
-  skipped=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
-  echo "SKIPPED: $skipped linux-guest-under-kvm tests: $reason"
+  ran_linux=0
+  n=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
+  echo "SKIPPED: $n linux-guest-under-kvm tests: $reason"
 else
   echo "check-host failed (exit $status)" >&2
   exit 1
@@ -47,8 +48,13 @@ if [ -n "$left" ]; then
 fi
 echo "no VM processes left behind"
 
-# One closing line over every cargo test binary. Ignored tests are the linux-guest-under-kvm
-# ones: on a host that cannot boot them they are counted as skipped, never as passed.
-passed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) passed.*/\1/p' "$results" | paste -sd+ | bc)
-failed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) failed.*/\1/p' "$results" | paste -sd+ | bc)
+# One closing line over every cargo test binary. Every ignored test counts as skipped, never as
+# passed: the linux-guest-under-kvm ones where this host cannot boot them (when it can, they ran
+# in their own run above and are counted there), and tests of work not finished yet (each says
+# why in its #[ignore] reason, printed by cargo above).
+sum() { sed -n "s/^test result: .* \([0-9][0-9]*\) $1.*/\1/p" "$results" | paste -sd+ | bc; }
+passed=$(sum passed)
+failed=$(sum failed)
+ignored=$(sum ignored)
+skipped=$(( ${ignored:-0} - ran_linux ))
 echo "tests: ${passed:-0} passed, ${failed:-0} failed, ${skipped} skipped"

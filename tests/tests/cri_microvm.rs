@@ -35,7 +35,9 @@ fn repo() -> PathBuf {
 }
 
 /// The folder holding an up-to-date shim binary of this build's profile: built with cargo
-/// (a no-op when `make build` already did) into the target folder this test runs from.
+/// (a no-op when `make build` already did) into the target folder this test runs from. It
+/// builds the workspace's binaries exactly as `make build` does: `-p shim` alone would unify
+/// features differently and rebuild half the dependency tree inside the test.
 fn shim_bin_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     // <target>/<profile>/deps/<test>
@@ -44,7 +46,7 @@ fn shim_bin_dir() -> PathBuf {
     let release = profile_dir.file_name().is_some_and(|n| n == "release");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.args(["build", "-p", "shim", "--bin", SHIM])
+    cmd.args(["build", "--workspace", "--bins"])
         .env("CARGO_TARGET_DIR", target)
         .current_dir(repo());
     if release {
