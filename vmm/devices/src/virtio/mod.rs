@@ -81,6 +81,20 @@ impl IrqTrigger {
     }
 }
 
+/// A driver's read of `data.len()` bytes at `offset` of a device's config space `config`: bytes
+/// past its end (or an offset that overflows) read as zero, per the [`VirtioDevice::read_config`]
+/// contract.
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = offset
+            .checked_add(i as u64)
+            .and_then(|o| usize::try_from(o).ok())
+            .and_then(|o| config.get(o))
+            .copied()
+            .unwrap_or(0);
+    }
+}
+
 /// Why a device could not be activated.
 #[derive(Debug, thiserror::Error)]
 pub enum ActivateError {

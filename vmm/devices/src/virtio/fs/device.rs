@@ -16,6 +16,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::request::{handle_request, FsServer};
 use super::{validate_tag, FsError, CONFIG_SIZE, NUM_REQUEST_QUEUES, QUEUE_SIZE, TAG_MAX_LEN};
 use crate::virtio::queues::{drain_queue, kick, ActiveQueues};
+use crate::virtio::read_config_bytes;
 use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
@@ -190,14 +191,7 @@ impl VirtioDevice for VirtioFs {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = offset
-                .checked_add(i as u64)
-                .and_then(|o| usize::try_from(o).ok())
-                .and_then(|o| self.config.get(o))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_bytes(&self.config, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

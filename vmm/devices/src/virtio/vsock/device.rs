@@ -15,6 +15,7 @@ use super::muxer::VsockMuxer;
 use super::packet::{read_tx_packet, RxBuffer};
 use super::{VsockError, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
 use crate::virtio::queues::{drain_queue, kick, notify_used, ActiveQueues};
+use crate::virtio::read_config_bytes;
 use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
@@ -226,15 +227,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let cfg = self.guest_cid.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = offset
-                .checked_add(i as u64)
-                .and_then(|o| usize::try_from(o).ok())
-                .and_then(|o| cfg.get(o))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
