@@ -430,6 +430,19 @@ impl TaskService {
     }
 }
 
+/// Runs one (blocking) agent call off the async runtime; its failure becomes a status naming
+/// `what` was being done.
+async fn agent_call<T, F>(what: String, call: F) -> TtrpcResult<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, crate::agent_client::AgentError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(call)
+        .await
+        .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?
+        .map_err(|e| status(Code::UNKNOWN, format!("microvm: {what}: {e}")))
+}
+
 fn not_found(id: &str) -> ttrpc::Error {
     status(
         Code::NOT_FOUND,
@@ -528,15 +541,10 @@ impl Task for TaskService {
         if is_app {
             let agent = self.pod_agent().await?;
             let (id, a) = (req.id.clone(), agent.clone());
-            let pid = tokio::task::spawn_blocking(move || a.start_container(&id))
-                .await
-                .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?
-                .map_err(|e| {
-                    status(
-                        Code::UNKNOWN,
-                        format!("microvm: starting container {}: {e}", req.id),
-                    )
-                })?;
+            let pid = agent_call(format!("starting container {}", req.id), move || {
+                a.start_container(&id)
+            })
+            .await?;
             self.spawn_app_waiter(req.id.clone(), pid, agent);
         }
         let pid = {
@@ -627,10 +635,10 @@ impl Task for TaskService {
                 .ok_or_else(|| not_found(&req.id))?;
             drop(inner);
             let (id, signal, all) = (req.id.clone(), req.signal, req.all);
-            tokio::task::spawn_blocking(move || agent.signal_process(&id, "", signal, all))
-                .await
-                .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?
-                .map_err(|e| status(Code::UNKNOWN, format!("microvm: {e}")))?;
+            agent_call(format!("signalling container {}", req.id), move || {
+                agent.signal_process(&id, "", signal, all)
+            })
+            .await?;
             return Ok(api::Empty::new());
         }
         let Some(pod) = inner.pod.as_ref().filter(|p| p.id == req.id) else {
