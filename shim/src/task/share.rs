@@ -130,53 +130,36 @@ fn cstr(p: &Path) -> Result<CString, ShareError> {
 
 /// `mount --rbind source target`, then read-only if asked; private propagation either way.
 fn bind(source: &Path, target: &Path, readonly: bool) -> Result<(), ShareError> {
-    let (s, t) = (cstr(source)?, cstr(target)?);
-    // SAFETY: mount(2) with valid NUL-terminated paths and no data; nothing is retained.
-    let rc = unsafe {
-        libc::mount(
-            s.as_ptr(),
-            t.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND | libc::MS_REC,
-            std::ptr::null(),
-        )
-    };
-    if rc != 0 {
-        return Err(io_err("bind-mount onto", target)(io::Error::last_os_error()));
+    let t = cstr(target)?;
+    mount(Some(&cstr(source)?), &t, libc::MS_BIND | libc::MS_REC)
+        .map_err(io_err("bind-mount onto", target))?;
+    mount(None, &t, libc::MS_PRIVATE | libc::MS_REC).map_err(io_err("make private", target))?;
+    if readonly {
+        mount(None, &t, libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY)
+            .map_err(io_err("remount read-only", target))?;
     }
-    let mut flags = libc::MS_PRIVATE | libc::MS_REC;
-    // SAFETY: as above; changes the propagation of the mount just made.
+    Ok(())
+}
+
+/// mount(2) of `source` (none: a change to the mount at `target`) with `flags`, no fs type or data.
+fn mount(source: Option<&CString>, target: &CString, flags: libc::c_ulong) -> io::Result<()> {
+    let source = source.map_or(std::ptr::null(), |s| s.as_ptr());
+    // SAFETY: mount(2) with valid NUL-terminated paths (or null for the source of a flags-only
+    // change) and no fs type or data; the kernel retains none of the pointers.
     let rc = unsafe {
         libc::mount(
-            std::ptr::null(),
-            t.as_ptr(),
+            source,
+            target.as_ptr(),
             std::ptr::null(),
             flags,
             std::ptr::null(),
         )
     };
-    if rc != 0 {
-        return Err(io_err("make private", target)(io::Error::last_os_error()));
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
-    if readonly {
-        flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY;
-        // SAFETY: as above; remounts the bind read-only.
-        let rc = unsafe {
-            libc::mount(
-                std::ptr::null(),
-                t.as_ptr(),
-                std::ptr::null(),
-                flags,
-                std::ptr::null(),
-            )
-        };
-        if rc != 0 {
-            return Err(io_err("remount read-only", target)(
-                io::Error::last_os_error(),
-            ));
-        }
-    }
-    Ok(())
 }
 
 fn umount(target: &Path) -> io::Result<()> {
