@@ -74,6 +74,29 @@ pub enum ContainerError {
     Signal { signal: u32, source: io::Error },
     #[error("the process has no terminal")]
     NoTerminal,
+    #[error("container rootfs {path}: {reason}")]
+    Rootfs { path: PathBuf, reason: String },
+}
+
+/// The spec's root must be an existing directory in the guest (the shim's share of it): say which
+/// path is missing rather than libcontainer's generic error later.
+fn check_rootfs(spec: &Spec) -> Result<(), ContainerError> {
+    let root = spec
+        .root()
+        .as_ref()
+        .ok_or_else(|| ContainerError::Spec("no root".into()))?;
+    let path = root.path().clone();
+    match std::fs::metadata(&path) {
+        Ok(meta) if meta.is_dir() => Ok(()),
+        Ok(_) => Err(ContainerError::Rootfs {
+            path,
+            reason: "not a directory".into(),
+        }),
+        Err(err) => Err(ContainerError::Rootfs {
+            path,
+            reason: format!("{err} (is the pod's shared filesystem mounted?)"),
+        }),
+    }
 }
 
 impl ContainerError {
@@ -349,7 +372,10 @@ impl Containers {
                 what: "OCI spec",
                 source,
             })?;
+        log::info!("container {id}: creating");
         self.rewrite_spec(id, &mut spec)?;
+        check_rootfs(&spec)?;
+        log::debug!("container {id}: rootfs present");
         let mut process = spec
             .process()
             .clone()
@@ -399,6 +425,7 @@ impl Containers {
                         .with_stderr(child.stderr);
                 }
                 let mut table = reaper::processes();
+                log::debug!("container {id}: building from {}", bundle.display());
                 let container = builder
                     .as_init(bundle)
                     .with_systemd(false)
@@ -413,6 +440,7 @@ impl Containers {
                     .ok_or_else(|| ContainerError::Spec("no init pid after create".into()))?
                     .as_raw();
                 table.insert(pid, exit.clone());
+                log::info!("container {id}: created, init pid {pid}");
                 Ok((container, pid))
             },
             stdio.terminal,

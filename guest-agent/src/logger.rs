@@ -14,8 +14,11 @@ static LOGGER: ConsoleLogger = ConsoleLogger;
 impl Log for ConsoleLogger {
     fn enabled(&self, metadata: &Metadata) -> bool {
         // Libraries (ttrpc logs every server start at info) only get warnings and errors through,
-        // so the console carries the agent's own lines.
-        let ours = metadata.target().starts_with(env!("CARGO_CRATE_NAME"));
+        // so the console carries the agent's own lines, and libcontainer's (how a container was
+        // set up is the agent's business).
+        let target = metadata.target();
+        let ours =
+            target.starts_with(env!("CARGO_CRATE_NAME")) || target.starts_with("libcontainer");
         metadata.level() <= log::max_level() && (ours || metadata.level() <= Level::Warn)
     }
 
@@ -49,5 +52,6 @@ pub fn init() {
         .unwrap_or(LevelFilter::Info);
     if log::set_logger(&LOGGER).is_ok() {
         log::set_max_level(level);
+        log::debug!("log level {level}");
     }
 }

@@ -83,7 +83,7 @@ pub enum AgentError {
     },
     #[error("setting up the ttrpc client: {0}")]
     Client(ttrpc::Error),
-    #[error("agent call {method}: {source}")]
+    #[error("agent call {method}: {}", describe_rpc_error(source))]
     Rpc {
         method: &'static str,
         source: ttrpc::Error,
@@ -93,6 +93,18 @@ pub enum AgentError {
         method: &'static str,
         reason: String,
     },
+}
+
+/// An RPC failure as a user reads it: the agent's own message for a status it returned, "no
+/// reply" for ttrpc's timeout, ttrpc's words otherwise.
+pub fn describe_rpc_error(err: &ttrpc::Error) -> String {
+    match err {
+        ttrpc::Error::RpcStatus(status) => status.message().to_string(),
+        ttrpc::Error::Others(m) if m.contains("imeout") => {
+            format!("the agent did not reply in time ({m})")
+        }
+        other => other.to_string(),
+    }
 }
 
 /// What Check reports about the guest.

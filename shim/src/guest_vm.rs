@@ -43,6 +43,22 @@ pub struct GuestSpec {
     pub memory_mib: u64,
     /// Private folder for this VM's sockets and console log; created, and removed on drop.
     pub work_dir: PathBuf,
+    /// The guest agent's log level (error, warn, info, debug, trace), passed on the kernel
+    /// command line as `MICROVM_AGENT_LOG=`; `None` keeps the agent's default (info).
+    pub agent_log_level: Option<String>,
+}
+
+impl GuestSpec {
+    /// Words this spec adds to the kernel command line.
+    fn cmdline_extra(&self) -> String {
+        match &self.agent_log_level {
+            // Only plain level names: nothing a config can smuggle onto the command line.
+            Some(level) if !level.is_empty() && level.bytes().all(|b| b.is_ascii_alphabetic()) => {
+                format!("MICROVM_AGENT_LOG={level}")
+            }
+            _ => String::new(),
+        }
+    }
 }
 
 /// A host directory exported to the guest over virtio-fs: the embedded VMM's own device, or
@@ -101,6 +117,19 @@ pub struct GuestVm {
     detail: String,
 }
 
+/// The console log a VM started from a spec with `work_dir` writes.
+pub fn console_log_in(work_dir: &Path) -> PathBuf {
+    work_dir.join("console.log")
+}
+
+/// The last `lines` of a console log (empty if it cannot be read), for error messages.
+pub fn console_tail(console_log: &Path, lines: usize) -> String {
+    let text = std::fs::read(console_log).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
 /// The kernel command line our Linux guest gets under the embedded VMM (the VMM appends its
 /// virtio-mmio devices). `reboot=k` makes the guest's reboot go through the i8042, which ends
 /// the VM cleanly.
@@ -123,7 +152,7 @@ impl GuestVm {
             source,
         })?;
         let started_at = Instant::now();
-        let console_log = spec.work_dir.join("console.log");
+        let console_log = console_log_in(&spec.work_dir);
         let result = match backend {
             Backend::Kvm => Self::start_kvm(spec, &console_log, shared),
             Backend::Qemu => Self::start_qemu(spec, &console_log, shared),
@@ -155,7 +184,9 @@ impl GuestVm {
         cfg.vcpus = spec.vcpus;
         cfg.memory_mib = spec.memory_mib;
         cfg.initrd = Some(spec.initrd.clone());
-        cfg.cmdline = KVM_GUEST_CMDLINE.to_string();
+        cfg.cmdline = format!("{KVM_GUEST_CMDLINE} {}", spec.cmdline_extra())
+            .trim_end()
+            .to_string();
         cfg.serial = vmm::SerialSink::File(console_log.to_path_buf());
         cfg.vsock = Some(vmm::VsockConfig {
             guest_cid: GUEST_CID,
@@ -188,6 +219,7 @@ impl GuestVm {
         cfg.guest_cid = GUEST_CID;
         cfg.accel = Accel::Auto;
         cfg.console_log = Some(console_log.to_path_buf());
+        cfg.cmdline_extra = spec.cmdline_extra();
         cfg.shared_fs = shared.map(|s| qemu::QemuSharedFs {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
@@ -239,10 +271,7 @@ impl GuestVm {
 
     /// The last `lines` of the console, for error messages.
     pub fn console_tail(&self, lines: usize) -> String {
-        let text = std::fs::read(&self.console_log).unwrap_or_default();
-        let text = String::from_utf8_lossy(&text);
-        let all: Vec<&str> = text.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
+        console_tail(&self.console_log, lines)
     }
 
     /// Waits (bounded) until the agent's ready line is on the console. Connecting only then

@@ -755,9 +755,14 @@ fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec<String> {
     // acpi=off: our kernel has no ACPI; QEMU then puts the virtio-mmio devices on the kernel
     // command line (auto-kernel-cmdline) and its firmware (qboot) writes an MP table listing
     // every vCPU. The guest RAM is a shared memfd so vhost-device-vsock can map it.
+    // force-legacy=false: QEMU's virtio-mmio defaults to the legacy (0.9) transport, which
+    // libvhost-user (virtiofsd) refuses with a panic at the first request; our kernel and
+    // vhost-device-vsock speak virtio 1.x.
     push(&[
         "-M",
         "microvm,acpi=off,memory-backend=mem",
+        "-global",
+        "virtio-mmio.force-legacy=false",
         "-nodefaults",
         "-no-user-config",
         "-nographic",

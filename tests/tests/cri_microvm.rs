@@ -75,10 +75,12 @@ fn write_config_for(dir: &Path, kernel: Option<&Path>, hypervisor: &str) -> Path
         );
     }
     let path = dir.join("microvm.toml");
+    // MICROVM_TEST_LOG_LEVEL=debug turns on the shim's and the guest agent's debug lines.
+    let log_level = std::env::var("MICROVM_TEST_LOG_LEVEL").unwrap_or_else(|_| "info".into());
     std::fs::write(
         &path,
         format!(
-            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\n",
+            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n",
             kernel.display(),
             build.join("initrd.cpio").display()
         ),
@@ -373,11 +375,8 @@ async fn kvm_backend_runs_the_pod_or_fails_fast_with_check_hosts_reason() {
 }
 
 /// The pod's app containers: rootfs and bind sources shared into the VM over virtio-fs, run by
-/// the agent, output in the CRI log, exact exit code. Ignored until the agent mounts the share
-/// (tag `microvm-shared` at `/run/microvm-shared`, shim/src/task/guest_spec.rs): without it the
-/// agent cannot find the rootfs and CreateContainer fails naming the guest path.
+/// the agent, output in the CRI log, exact exit code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the guest agent to mount the virtio-fs share microvm-shared at /run/microvm-shared"]
 async fn microvm_app_container_runs_with_output_and_exit_code() {
     use microvm_tests::cri::{container_config, read_cri_log};
     use microvm_tests::images::BUSYBOX_IMAGE;

@@ -13,6 +13,14 @@ pub const AGENT_VSOCK_PORT: u32 = 1024;
 /// The vsock port of the agent's stdio streams (see [`stdio`]).
 pub const AGENT_STDIO_PORT: u32 = 1025;
 
+/// The virtio-fs tag under which the host exports the pod's shared directory (container rootfs
+/// and bind-mount sources).
+pub const SHARED_FS_TAG: &str = "microvm-shared";
+
+/// Where the agent mounts the pod's shared directory inside the guest. A container's rootfs is
+/// `<GUEST_SHARED_DIR>/<container id>/rootfs`.
+pub const GUEST_SHARED_DIR: &str = "/run/microvm-shared";
+
 pub mod stdio;
 
 #[cfg(test)]

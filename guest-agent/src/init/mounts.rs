@@ -56,6 +56,17 @@ pub const BASE_MOUNTS: &[MountSpec] = &[
     },
 ];
 
+/// The pod's shared directory (virtio-fs), mounted after the base set (it lives in /run). Not
+/// noexec: container rootfs live in it. A VM without the device (the shim's boot checks) has no
+/// such tag, which is not an error of the guest.
+pub const SHARED_MOUNT: MountSpec = MountSpec {
+    source: agent_protocol::SHARED_FS_TAG,
+    target: agent_protocol::GUEST_SHARED_DIR,
+    fstype: "virtiofs",
+    flags: libc::MS_NOSUID | libc::MS_NODEV,
+    data: None,
+};
+
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
     #[error("creating mount point {target}: {source}")]
@@ -80,6 +91,11 @@ pub fn mount_base() -> Vec<MountError> {
         .iter()
         .filter_map(|spec| mount_one(spec).err())
         .collect()
+}
+
+/// Mounts [`SHARED_MOUNT`].
+pub fn mount_shared() -> Result<(), MountError> {
+    mount_one(&SHARED_MOUNT)
 }
 
 fn mount_one(spec: &MountSpec) -> Result<(), MountError> {
@@ -130,6 +146,8 @@ mod tests {
     fn base_set_covers_what_the_agent_needs_in_order() {
         let targets: Vec<&str> = BASE_MOUNTS.iter().map(|m| m.target).collect();
         assert_eq!(targets, ["/proc", "/sys", "/dev", "/run", "/sys/fs/cgroup"]);
+        // the share lives inside /run, which must be mounted first
+        assert!(SHARED_MOUNT.target.starts_with("/run/"));
         for (i, m) in BASE_MOUNTS.iter().enumerate() {
             // a mount inside another must come after it
             for later in &BASE_MOUNTS[i + 1..] {

@@ -182,6 +182,7 @@ fn boot_check(
         vcpus,
         memory_mib,
         work_dir: new_work_dir("boot"),
+        agent_log_level: None,
     };
     let mut vm = GuestVm::start(backend, &spec)?;
     vm.wait_agent_ready(timeout)?;

@@ -19,10 +19,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-/// The virtio-fs tag of the pod's shared directory.
-pub const SHARED_FS_TAG: &str = "microvm-shared";
-/// Where the guest mounts the pod's shared directory.
-pub const GUEST_SHARED_DIR: &str = "/run/microvm-shared";
+pub use agent_protocol::{GUEST_SHARED_DIR, SHARED_FS_TAG};
 
 /// A host path to bind-mount into the shared directory, at `shared/<relative>`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -60,6 +60,7 @@ pub struct SandboxVm {
     exited: watch::Receiver<Option<VmExit>>,
     agent: Arc<AgentClient>,
     agent_socket: PathBuf,
+    console_log: PathBuf,
     info: AgentInfo,
     detail: String,
 }
@@ -73,6 +74,7 @@ impl SandboxVm {
         shared: Option<SharedDir>,
         state: StateDir,
     ) -> Result<SandboxVm, SandboxError> {
+        let console_log = crate::guest_vm::console_log_in(&spec.work_dir);
         let (ready_tx, ready_rx) = oneshot::channel();
         let (cmd_tx, cmd_rx) = mpsc::channel();
         let (exit_tx, exit_rx) = watch::channel(None);
@@ -87,9 +89,20 @@ impl SandboxVm {
             exited: exit_rx,
             agent,
             agent_socket,
+            console_log,
             info,
             detail,
         })
+    }
+
+    /// The guest's console log file (for [`crate::guest_vm::console_tail`] off the async runtime).
+    pub fn console_tail_source(&self) -> PathBuf {
+        self.console_log.clone()
+    }
+
+    /// The last `lines` of the guest's console (kernel and agent log), for error messages.
+    pub fn console_tail(&self, lines: usize) -> String {
+        crate::guest_vm::console_tail(&self.console_log, lines)
     }
 
     /// The guest's facts from the agent's Check.

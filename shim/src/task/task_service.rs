@@ -167,6 +167,7 @@ impl TaskService {
             vcpus: size.vcpus,
             memory_mib: size.memory_mib,
             work_dir: state.vm_dir(),
+            agent_log_level: Some(config.log_level.clone()),
         };
         log::info!(
             "sandbox {}: booting a {} VM with {} vCPUs, {} MiB",
@@ -267,7 +268,7 @@ impl TaskService {
         mut spec: serde_json::Value,
         sandbox_id: &str,
     ) -> TtrpcResult<u32> {
-        let (agent, socket, state) = {
+        let (agent, socket, state, console) = {
             let inner = self.inner.lock().await;
             if inner.containers.contains_key(&req.id) {
                 return Err(status(
@@ -292,6 +293,7 @@ impl TaskService {
                 pod.vm.agent(),
                 pod.vm.agent_socket().to_path_buf(),
                 pod.state.clone(),
+                pod.vm.console_tail_source(),
             )
         };
         let binds = guest_spec::rewrite_for_guest(&mut spec, &req.id)
@@ -346,9 +348,20 @@ impl TaskService {
         .await
         .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
         let pid = created.map_err(|e| {
+            let tail = crate::guest_vm::console_tail(&console, CONSOLE_TAIL_LINES);
+            log::warn!(
+                "creating container {} failed: {e}; guest console ends with:\n{tail}",
+                req.id
+            );
+            // A timeout says nothing by itself: the guest's last words go to the user too.
+            let detail = if e.contains("did not reply in time") {
+                format!("{e}; guest console ends with:\n{tail}")
+            } else {
+                e
+            };
             status(
                 Code::UNKNOWN,
-                format!("microvm: creating container {}: {e}", req.id),
+                format!("microvm: creating container {}: {detail}", req.id),
             )
         })?;
         let (tx, rx) = watch::channel(None);
@@ -429,6 +442,9 @@ impl TaskService {
             .ok_or_else(|| not_found(id))
     }
 }
+
+/// Console lines quoted when a container operation fails.
+const CONSOLE_TAIL_LINES: usize = 20;
 
 /// Runs one (blocking) agent call off the async runtime; its failure becomes a status naming
 /// `what` was being done.
