@@ -154,6 +154,9 @@ fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
         if socket.exists() {
             left.push(format!("shim socket {}", socket.display()));
         }
+        for c in ctrd.leftover_cgroups() {
+            left.push(format!("cgroup {}", c.display()));
+        }
         if left.is_empty() {
             return;
         }
@@ -161,6 +164,36 @@ fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
             Instant::now() < deadline,
             "left after {timeout:?}:\n{}\ncontainerd log:\n{}",
             left.join("\n"),
+            ctrd.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The pod state directories under /run/microvm now.
+fn state_entries() -> Vec<PathBuf> {
+    std::fs::read_dir(STATE_ROOT)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+/// Waits (bounded) until no process of the instance, no pod state directory that was not in
+/// `before` and no pod cgroup remains.
+fn assert_nothing_new(ctrd: &PrivateContainerd, before: &[PathBuf]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = ctrd.leftover_processes();
+        let new_state: Vec<_> = state_entries()
+            .into_iter()
+            .filter(|p| !before.contains(p))
+            .collect();
+        let cgroups = ctrd.leftover_cgroups();
+        if left.is_empty() && new_state.is_empty() && cgroups.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left: {left:?} {new_state:?} {cgroups:?}\ncontainerd log:\n{}",
             ctrd.log_tail()
         );
         std::thread::sleep(Duration::from_millis(50));
@@ -246,9 +279,7 @@ async fn a_missing_kernel_fails_run_pod_sandbox_naming_it_and_leaks_nothing() {
     let missing = dir.path().join("no-such-vmlinux");
     let config = write_config(dir.path(), Some(&missing));
     let (ctrd, cri) = start(&config).await;
-    let before: Vec<_> = std::fs::read_dir(STATE_ROOT)
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
+    let before = state_entries();
 
     let t = Instant::now();
     let err = cri
@@ -265,23 +296,7 @@ async fn a_missing_kernel_fails_run_pod_sandbox_naming_it_and_leaks_nothing() {
     assert!(err.contains(&config.display().to_string()), "{err}");
     assert!(failed_in < Duration::from_secs(30), "took {failed_in:?}");
 
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let left = ctrd.leftover_processes();
-        let after: Vec<_> = std::fs::read_dir(STATE_ROOT)
-            .map(|d| d.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default();
-        let new_state: Vec<_> = after.iter().filter(|p| !before.contains(p)).collect();
-        if left.is_empty() && new_state.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "left: {left:?} {new_state:?}\ncontainerd log:\n{}",
-            ctrd.log_tail()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert_nothing_new(&ctrd, &before);
     eprintln!("missing kernel: RunPodSandbox failed in {failed_in:?}: {err}");
 }
 
@@ -416,6 +431,161 @@ async fn microvm_app_container_runs_with_output_and_exit_code() {
         "{log:?}"
     );
     cri.remove_container(&exits).await.unwrap();
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+}
+
+/// A config key the shim does not know is an error, not ignored: RunPodSandbox fails naming the
+/// key and the config file, fast, and leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_config_key_fails_run_pod_sandbox_naming_it_and_leaks_nothing() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str("memory_mb = 512\n");
+    std::fs::write(&config, text).unwrap();
+    let (ctrd, cri) = start(&config).await;
+    let before = state_entries();
+    let t = Instant::now();
+    let err = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-bad-key", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await
+        .expect_err("RunPodSandbox must fail with an unknown config key")
+        .to_string();
+    let failed_in = t.elapsed();
+    assert!(err.contains("memory_mb"), "{err}");
+    assert!(err.contains(&config.display().to_string()), "{err}");
+    assert!(failed_in < Duration::from_secs(30), "took {failed_in:?}");
+    assert_nothing_new(&ctrd, &before);
+    eprintln!("unknown key: RunPodSandbox failed in {failed_in:?}: {err}");
+}
+
+/// Runs a busybox container `name` in `pod` with `command`, waits for its exit and returns its
+/// stdout lines and exit code; the container is removed.
+async fn run_to_exit(
+    cri: &CriClient,
+    pod: &microvm_tests::cri::Pod,
+    name: &str,
+    command: &[&str],
+) -> (Vec<String>, i32) {
+    use microvm_tests::cri::{container_config, read_cri_log};
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let id = cri
+        .create_container(pod, container_config(name, BUSYBOX_IMAGE, command))
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}"));
+    cri.start_container(&id)
+        .await
+        .unwrap_or_else(|e| panic!("StartContainer {name}: {e}"));
+    let status = cri
+        .wait_container_exited(&id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let lines = read_cri_log(Path::new(&status.log_path))
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.stream == "stdout")
+        .map(|l| l.text)
+        .collect();
+    cri.remove_container(&id).await.unwrap();
+    (lines, status.exit_code)
+}
+
+/// Two containers of one pod run in the same VM (the same guest boot id); another pod gets its
+/// own VM (a different boot id). The boot id is read inside the containers, from the guest
+/// kernel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containers_of_a_pod_share_its_vm_and_pods_do_not() {
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let boot_id = ["cat", "/proc/sys/kernel/random/boot_id"];
+    let host_boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let mut pods = Vec::new();
+    let mut ids = Vec::new();
+    for name in ["microvm-share-a", "microvm-share-b"] {
+        let pod = cri
+            .run_pod_sandbox(ctrd.pod_config(name, HashMap::new()).unwrap(), "microvm")
+            .await
+            .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        let (first, code1) = run_to_exit(&cri, &pod, "first", &boot_id).await;
+        let (second, code2) = run_to_exit(&cri, &pod, "second", &boot_id).await;
+        assert_eq!((code1, code2), (0, 0));
+        assert_eq!(first.len(), 1, "{first:?}");
+        assert_eq!(
+            first, second,
+            "two containers of pod {name} saw different kernels"
+        );
+        assert_ne!(
+            first[0],
+            host_boot_id.trim(),
+            "the container ran on the host kernel"
+        );
+        ids.push(first[0].clone());
+        pods.push(pod);
+    }
+    assert_ne!(ids[0], ids[1], "two pods share a VM");
+    for pod in &pods {
+        cri.stop_pod_sandbox(&pod.id).await.unwrap();
+        cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    }
+    for pod in &pods {
+        assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+    }
+}
+
+/// A container whose entrypoint does not exist in its image fails StartContainer with an
+/// error naming it, promptly, and the pod stays usable and leaves nothing when removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_entrypoint_fails_start_container_naming_it() {
+    use microvm_tests::cri::container_config;
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-no-entrypoint", HashMap::new())
+                .unwrap(),
+            "microvm",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let id = cri
+        .create_container(
+            &pod,
+            container_config("missing", BUSYBOX_IMAGE, &["/no/such/entrypoint", "arg"]),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let t = Instant::now();
+    let err = cri
+        .start_container(&id)
+        .await
+        .expect_err("StartContainer must fail for a missing entrypoint")
+        .to_string();
+    let took = t.elapsed();
+    assert!(err.contains("/no/such/entrypoint"), "{err}");
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    eprintln!("missing entrypoint: StartContainer failed in {took:?}: {err}");
+    // The pod still runs containers.
+    let (out, code) = run_to_exit(&cri, &pod, "after", &["echo", "still here"]).await;
+    assert_eq!((out, code), (vec!["still here".to_string()], 0));
+    cri.remove_container(&id).await.unwrap();
     cri.stop_pod_sandbox(&pod.id).await.unwrap();
     cri.remove_pod_sandbox(&pod.id).await.unwrap();
     assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
