@@ -46,19 +46,38 @@ pub struct GuestSpec {
     /// The guest agent's log level (error, warn, info, debug, trace), passed on the kernel
     /// command line as `MICROVM_AGENT_LOG=`; `None` keeps the agent's default (info).
     pub agent_log_level: Option<String>,
+    /// The guest's hostname (the pod's, from the sandbox spec), passed as `microvm.hostname=`;
+    /// containers share the VM's UTS namespace. A name that is not a valid hostname is dropped.
+    pub hostname: Option<String>,
 }
 
 impl GuestSpec {
     /// Words this spec adds to the kernel command line.
     fn cmdline_extra(&self) -> String {
-        match &self.agent_log_level {
-            // Only plain level names: nothing a config can smuggle onto the command line.
-            Some(level) if !level.is_empty() && level.bytes().all(|b| b.is_ascii_alphabetic()) => {
-                format!("MICROVM_AGENT_LOG={level}")
+        let mut words = Vec::new();
+        // Only plain level names and hostnames: nothing a config or a pod spec can smuggle onto
+        // the command line.
+        if let Some(level) = &self.agent_log_level {
+            if !level.is_empty() && level.bytes().all(|b| b.is_ascii_alphabetic()) {
+                words.push(format!("MICROVM_AGENT_LOG={level}"));
             }
-            _ => String::new(),
         }
+        if let Some(name) = &self.hostname {
+            if is_hostname(name) {
+                words.push(format!("microvm.hostname={name}"));
+            }
+        }
+        words.join(" ")
     }
+}
+
+/// A hostname the guest accepts (guest-agent/src/init/hostname.rs): 1..=64 of [A-Za-z0-9.-].
+fn is_hostname(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
 }
 
 /// A host directory exported to the guest over virtio-fs: the embedded VMM's own device, or
@@ -345,4 +364,37 @@ pub fn new_work_dir(tag: &str) -> PathBuf {
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(level: Option<&str>, hostname: Option<&str>) -> GuestSpec {
+        GuestSpec {
+            kernel: PathBuf::from("/k"),
+            initrd: PathBuf::from("/i"),
+            vcpus: 1,
+            memory_mib: 128,
+            work_dir: PathBuf::from("/w"),
+            agent_log_level: level.map(str::to_owned),
+            hostname: hostname.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn cmdline_extra_passes_only_clean_words() {
+        assert_eq!(spec(None, None).cmdline_extra(), "");
+        assert_eq!(
+            spec(Some("debug"), Some("pod-a.example")).cmdline_extra(),
+            "MICROVM_AGENT_LOG=debug microvm.hostname=pod-a.example"
+        );
+        // Anything that could add words or options to the command line is dropped.
+        assert_eq!(
+            spec(Some("info init=/bin/sh"), Some("a b")).cmdline_extra(),
+            ""
+        );
+        assert_eq!(spec(None, Some(&"x".repeat(65))).cmdline_extra(), "");
+        assert_eq!(spec(None, Some("")).cmdline_extra(), "");
+    }
 }

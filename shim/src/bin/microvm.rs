@@ -183,6 +183,7 @@ fn boot_check(
         memory_mib,
         work_dir: new_work_dir("boot"),
         agent_log_level: None,
+        hostname: None,
     };
     let mut vm = GuestVm::start(backend, &spec)?;
     vm.wait_agent_ready(timeout)?;

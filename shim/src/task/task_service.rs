@@ -168,6 +168,9 @@ impl TaskService {
             memory_mib: size.memory_mib,
             work_dir: state.vm_dir(),
             agent_log_level: Some(config.log_level.clone()),
+            hostname: bundle::read_spec(std::path::Path::new(&req.bundle))
+                .ok()
+                .and_then(|spec| spec["hostname"].as_str().map(str::to_owned)),
         };
         log::info!(
             "sandbox {}: booting a {} VM with {} vCPUs, {} MiB",
