@@ -590,3 +590,99 @@ async fn a_missing_entrypoint_fails_start_container_naming_it() {
     cri.remove_pod_sandbox(&pod.id).await.unwrap();
     assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
 }
+
+/// What a container's OCI spec asks for holds inside the guest: user and group, working
+/// directory, env, the pod's hostname, read-only rootfs, dropped capabilities, masked paths,
+/// the runtime's default seccomp profile and the memory limit as the container's cgroup limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_containers_spec_applies_inside_the_guest() {
+    use k8s_cri::v1::{
+        security_profile::ProfileType, Capability, Int64Value, KeyValue, LinuxContainerConfig,
+        LinuxContainerResources, LinuxContainerSecurityContext, SecurityProfile,
+    };
+    use microvm_tests::cri::container_config;
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-spec", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let script = "echo uid=$(id -u) gid=$(id -g); echo cwd=$(pwd); echo foo=$FOO; \
+                  echo host=$(hostname); touch /written 2>/dev/null && echo rootfs=rw || echo rootfs=ro; \
+                  grep CapBnd /proc/self/status | tr -d '\\t'; \
+                  test -c /proc/kcore && echo kcore=masked; \
+                  grep Seccomp: /proc/self/status | tr -d '\\t'; \
+                  echo memmax=$(cat /sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup)/memory.max)";
+    let mut cfg = container_config("spec", BUSYBOX_IMAGE, &["sh", "-c", script]);
+    cfg.working_dir = "/tmp".into();
+    cfg.envs.push(KeyValue {
+        key: "FOO".into(),
+        value: "bar baz".into(),
+    });
+    cfg.linux = Some(LinuxContainerConfig {
+        resources: Some(LinuxContainerResources {
+            memory_limit_in_bytes: 64 << 20,
+            ..Default::default()
+        }),
+        security_context: Some(LinuxContainerSecurityContext {
+            run_as_user: Some(Int64Value { value: 1000 }),
+            run_as_group: Some(Int64Value { value: 3000 }),
+            readonly_rootfs: true,
+            capabilities: Some(Capability {
+                drop_capabilities: vec!["ALL".into()],
+                add_capabilities: vec!["CHOWN".into()],
+                ..Default::default()
+            }),
+            seccomp: Some(SecurityProfile {
+                profile_type: ProfileType::RuntimeDefault as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let id = cri
+        .create_container(&pod, cfg)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.start_container(&id)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let status = cri
+        .wait_container_exited(&id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let out: Vec<String> = microvm_tests::cri::read_cri_log(Path::new(&status.log_path))
+        .unwrap()
+        .into_iter()
+        .map(|l| l.text)
+        .collect();
+    assert_eq!(status.exit_code, 0, "{out:?}");
+    let expected = [
+        "uid=1000 gid=3000",
+        "cwd=/tmp",
+        "foo=bar baz",
+        "host=microvm-spec",
+        "rootfs=ro",
+        "CapBnd:0000000000000001",
+        "kcore=masked",
+        "Seccomp:2",
+        "memmax=67108864",
+    ];
+    for line in expected {
+        assert!(out.iter().any(|l| l == line), "no {line:?} in {out:#?}");
+    }
+    cri.remove_container(&id).await.unwrap();
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+}
