@@ -1,10 +1,14 @@
-//! The timed CRI pod lifecycle shared by the CRI tests and the benchmark, for any runtime
-//! handler: RunPodSandbox, CreateContainer + StartContainer of a busybox `sleep`, ExecSync
-//! `uname -r`, StopPodSandbox, RemovePodSandbox; and the host memory charged to idle pods.
+//! The timed CRI pod lifecycle shared by the CRI tests, the benchmark and the demo, for any
+//! runtime handler: RunPodSandbox, CreateContainer + StartContainer of a busybox `sleep`, ExecSync
+//! `uname -r`, StopPodSandbox, RemovePodSandbox; the host memory charged to idle pods; the
+//! processes of one pod on the host (its shim and everything the shim started: for `microvm`
+//! the VM's QEMU, virtiofsd and vhost-device-vsock, for `runc` pause and the containers) and what
+//! a removed pod left behind; and the VM backend `microvm check-host` picks for this host.
 
 use crate::containerd::{ContainerdError, PrivateContainerd};
 use crate::cri::{container_config, CriClient, CriError};
 use std::collections::HashMap;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -16,6 +20,20 @@ pub enum LifecycleError {
     Containerd(#[from] ContainerdError),
     #[error("ExecSync `uname -r` exited {exit_code}: {stderr}")]
     Exec { exit_code: i32, stderr: String },
+    #[error("ExecSync `uname -r` failed: {0}")]
+    ExecCall(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{command}` exited {status} (expected 0: usable, or 2: a Linux guest cannot boot under the embedded VMM):\n{output}")]
+    CheckHost {
+        command: String,
+        status: String,
+        output: String,
+    },
 }
 
 /// Wall time of each lifecycle step.
@@ -71,6 +89,25 @@ pub struct LifecycleOutcome {
     pub kernel_release: String,
     /// The pod's network namespace path while it ran.
     pub netns: Option<PathBuf>,
+    /// With [`LifecycleOptions::tolerate_exec_failure`]: why ExecSync failed (the lifecycle
+    /// went on with stop and remove; `timings.exec` is then the time until the failure).
+    pub exec_error: Option<String>,
+    /// With [`LifecycleOptions::idle_memory_after`]: the pod's host memory while its container
+    /// slept, measured after start and before exec (not part of the timings).
+    pub idle_memory: Option<PodMemory>,
+    /// The accelerator the pod's VM ran with, from the VM process' command line (`TCG`, `KVM`;
+    /// `None` for a pod that is no VM, e.g. runc).
+    pub accel: Option<String>,
+}
+
+/// Extras of [`timed_pod_lifecycle_with`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LifecycleOptions {
+    /// Measure the pod's host memory this long after StartContainer (before ExecSync).
+    pub idle_memory_after: Option<Duration>,
+    /// A failed ExecSync is recorded in [`LifecycleOutcome::exec_error`] instead of ending the
+    /// lifecycle early.
+    pub tolerate_exec_failure: bool,
 }
 
 /// Runs one timed pod lifecycle with `handler`. On an error the pod is left for the harness's
@@ -81,6 +118,26 @@ pub async fn timed_pod_lifecycle(
     handler: &str,
     name: &str,
     annotations: HashMap<String, String>,
+) -> Result<LifecycleOutcome, LifecycleError> {
+    timed_pod_lifecycle_with(
+        ctrd,
+        cri,
+        handler,
+        name,
+        annotations,
+        LifecycleOptions::default(),
+    )
+    .await
+}
+
+/// [`timed_pod_lifecycle`] with the extras of `opts`.
+pub async fn timed_pod_lifecycle_with(
+    ctrd: &PrivateContainerd,
+    cri: &CriClient,
+    handler: &str,
+    name: &str,
+    annotations: HashMap<String, String>,
+    opts: LifecycleOptions,
 ) -> Result<LifecycleOutcome, LifecycleError> {
     let mut timings = LifecycleTimings::default();
     let config = ctrd.pod_config(name, annotations)?;
@@ -103,15 +160,38 @@ pub async fn timed_pod_lifecycle(
     cri.start_container(&id).await?;
     timings.start = t.elapsed();
 
+    let processes = pod_processes(ctrd, &pod.id);
+    let accel = vm_accel(&processes);
+    let idle_memory = match opts.idle_memory_after {
+        Some(settle) => {
+            tokio::time::sleep(settle).await;
+            Some(pod_host_memory(ctrd, &pod.id))
+        }
+        None => None,
+    };
+
     let t = Instant::now();
-    let uname = cri.exec_sync(&id, &["uname", "-r"], 30).await?;
+    let exec = cri.exec_sync(&id, &["uname", "-r"], 30).await;
     timings.exec = t.elapsed();
-    if uname.exit_code != 0 {
-        return Err(LifecycleError::Exec {
-            exit_code: uname.exit_code,
-            stderr: uname.stderr,
-        });
-    }
+    let (kernel_release, exec_error) = match exec {
+        Ok(out) if out.exit_code == 0 => (out.stdout.trim().to_string(), None),
+        Ok(out) => {
+            let err = LifecycleError::Exec {
+                exit_code: out.exit_code,
+                stderr: out.stderr,
+            };
+            if !opts.tolerate_exec_failure {
+                return Err(err);
+            }
+            (String::new(), Some(err.to_string()))
+        }
+        Err(e) => {
+            if !opts.tolerate_exec_failure {
+                return Err(e.into());
+            }
+            (String::new(), Some(e.to_string()))
+        }
+    };
 
     let t = Instant::now();
     cri.stop_pod_sandbox(&pod.id).await?;
@@ -124,8 +204,11 @@ pub async fn timed_pod_lifecycle(
     Ok(LifecycleOutcome {
         timings,
         pod_id: pod.id,
-        kernel_release: uname.stdout.trim().to_string(),
+        kernel_release,
         netns,
+        exec_error,
+        idle_memory,
+        accel,
     })
 }
 
@@ -181,6 +264,305 @@ pub fn pss_bytes(pid: i32) -> u64 {
         .unwrap_or(0)
 }
 
+/// The pod state directory root of the `microvm` shim.
+pub const MICROVM_STATE_ROOT: &str = "/run/microvm";
+
+/// One host process of a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodProcess {
+    pub pid: i32,
+    /// `/proc/<pid>/comm`.
+    pub name: String,
+    pub cmdline: String,
+}
+
+/// The host processes of pod `pod_id` of this containerd: its shim (started with the
+/// instance's address and the pod id) and all of the shim's descendants, parents first.
+pub fn pod_processes(ctrd: &PrivateContainerd, pod_id: &str) -> Vec<PodProcess> {
+    let socket = ctrd.socket().as_os_str().as_bytes().to_vec();
+    let table = process_table();
+    let mut found: Vec<i32> = table
+        .iter()
+        .filter(|p| {
+            p.argv.contains(&socket) && p.argv.iter().any(|a| a.as_slice() == pod_id.as_bytes())
+        })
+        .map(|p| p.pid)
+        .collect();
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        for p in &table {
+            if p.ppid == parent && !found.contains(&p.pid) {
+                found.push(p.pid);
+            }
+        }
+        i += 1;
+    }
+    found
+        .into_iter()
+        .filter_map(|pid| table.iter().find(|p| p.pid == pid))
+        .map(|p| PodProcess {
+            pid: p.pid,
+            name: p.name.clone(),
+            cmdline: p
+                .argv
+                .iter()
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" "),
+        })
+        .collect()
+}
+
+struct ProcEntry {
+    pid: i32,
+    ppid: i32,
+    name: String,
+    argv: Vec<Vec<u8>>,
+}
+
+/// Every live process: pid, parent, name, argv.
+fn process_table() -> Vec<ProcEntry> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| crate::containerd::pid_alive(pid))
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // `pid (comm) state ppid ...`: comm may hold spaces and parentheses.
+            let (_, rest) = stat.rsplit_once(')')?;
+            let ppid = rest.split_whitespace().nth(1)?.parse().ok()?;
+            let name = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .map(|c| c.trim().to_string())
+                .unwrap_or_default();
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let argv = cmdline
+                .split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| a.to_vec())
+                .collect();
+            Some(ProcEntry {
+                pid,
+                ppid,
+                name,
+                argv,
+            })
+        })
+        .collect()
+}
+
+/// Host memory of one pod: the proportional set size of each of its processes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodMemory {
+    /// `(pid, process name, PSS bytes)` of every process of the pod.
+    pub processes: Vec<(i32, String, u64)>,
+}
+
+impl PodMemory {
+    pub fn total(&self) -> u64 {
+        self.processes.iter().map(|(_, _, b)| b).sum()
+    }
+
+    /// PSS summed per process name, largest first: `[("qemu-system-x86", bytes), …]`.
+    pub fn by_name(&self) -> Vec<(String, u64)> {
+        let mut sums: Vec<(String, u64)> = Vec::new();
+        for (_, name, bytes) in &self.processes {
+            match sums.iter_mut().find(|(n, _)| n == name) {
+                Some((_, sum)) => *sum += bytes,
+                None => sums.push((name.clone(), *bytes)),
+            }
+        }
+        sums.sort_by_key(|s| std::cmp::Reverse(s.1));
+        sums
+    }
+}
+
+/// Everything pod `pod_id` costs the host in memory, as PSS: its shim and the shim's descendants
+/// (for `microvm`: QEMU with the guest's touched memory, virtiofsd, vhost-device-vsock; for
+/// `runc`: pause and the containers), plus any other process in the instance's pod cgroups.
+/// Meant for an instance running this one pod.
+pub fn pod_host_memory(ctrd: &PrivateContainerd, pod_id: &str) -> PodMemory {
+    let mut processes: Vec<(i32, String, u64)> = pod_processes(ctrd, pod_id)
+        .into_iter()
+        .map(|p| (p.pid, p.name, pss_bytes(p.pid)))
+        .collect();
+    for pid in ctrd.pod_cgroup_pids() {
+        if !processes.iter().any(|(p, _, _)| *p == pid) {
+            let name = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .map(|c| c.trim().to_string())
+                .unwrap_or_default();
+            processes.push((pid, name, pss_bytes(pid)));
+        }
+    }
+    PodMemory { processes }
+}
+
+/// The accelerator of a pod's QEMU (`TCG`, `KVM`), from its `-accel` argument; `None` when the
+/// pod has no QEMU process.
+pub fn vm_accel(processes: &[PodProcess]) -> Option<String> {
+    let qemu = processes
+        .iter()
+        .find(|p| p.cmdline.contains("qemu-system"))?;
+    let mut args = qemu.cmdline.split(' ');
+    let accel = args
+        .by_ref()
+        .skip_while(|a| *a != "-accel")
+        .nth(1)
+        .unwrap_or("tcg");
+    Some(accel.split(',').next().unwrap_or(accel).to_uppercase())
+}
+
+/// What a removed pod left on the host, as readable lines (empty: nothing): its processes, any
+/// process naming its state directory (QEMU, virtiofsd, vhost-device-vsock), its state
+/// directory, mounts (under the state directory and the instance's directory), its shim socket,
+/// its network namespace, and cgroups below the instance's cgroup parent.
+pub fn pod_leftovers(ctrd: &PrivateContainerd, pod_id: &str, netns: Option<&Path>) -> Vec<String> {
+    let mut left = Vec::new();
+    let state = Path::new(MICROVM_STATE_ROOT).join(pod_id);
+    let state_str = state.as_os_str().as_bytes().to_vec();
+    let mut pids: Vec<i32> = Vec::new();
+    for p in pod_processes(ctrd, pod_id) {
+        pids.push(p.pid);
+        left.push(format!("process {} ({}): {}", p.pid, p.name, p.cmdline));
+    }
+    for p in process_table() {
+        let mentions_state = p.argv.iter().any(|a| {
+            a.windows(state_str.len())
+                .any(|w| w == state_str.as_slice())
+        });
+        if mentions_state && !pids.contains(&p.pid) && p.pid != std::process::id() as i32 {
+            pids.push(p.pid);
+            left.push(format!("VM process {} ({})", p.pid, p.name));
+        }
+    }
+    for p in ctrd.leftover_processes() {
+        if !pids.contains(&p.pid) {
+            left.push(format!("process {}: {}", p.pid, p.cmdline));
+        }
+    }
+    if state.exists() {
+        left.push(format!("state directory {}", state.display()));
+    }
+    for m in crate::containerd::mounts_under(&state)
+        .into_iter()
+        .chain(ctrd.mounts())
+    {
+        left.push(format!("mount {}", m.display()));
+    }
+    let socket = ctrd.shim_socket(pod_id);
+    if socket.exists() {
+        left.push(format!("shim socket {}", socket.display()));
+    }
+    if let Some(netns) = netns.filter(|n| n.exists()) {
+        left.push(format!("network namespace {}", netns.display()));
+    }
+    for c in ctrd.leftover_cgroups() {
+        left.push(format!("cgroup {}", c.display()));
+    }
+    left
+}
+
+/// Waits (bounded) for [`pod_leftovers`] to be empty; returns what is left at the deadline.
+pub fn wait_pod_gone(
+    ctrd: &PrivateContainerd,
+    pod_id: &str,
+    netns: Option<&Path>,
+    timeout: Duration,
+) -> Vec<String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = pod_leftovers(ctrd, pod_id, netns);
+        if left.is_empty() || Instant::now() >= deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The VM backend for pods on this host, as `microvm check-host` decides it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmBackend {
+    /// The shim config's `hypervisor`: `kvm` (the embedded VMM) or `qemu`.
+    pub hypervisor: &'static str,
+    /// check-host's verdict line (why this backend).
+    pub reason: String,
+    /// check-host's whole report.
+    pub report: String,
+}
+
+/// Runs `<microvm> check-host --kernel <kernel>`: exit 0 means our guest boots under the
+/// embedded VMM here (`kvm`), exit 2 that it cannot (`qemu`, with check-host's reason).
+pub fn choose_vm_backend(microvm: &Path, kernel: &Path) -> Result<VmBackend, LifecycleError> {
+    let command = format!(
+        "{} check-host --kernel {}",
+        microvm.display(),
+        kernel.display()
+    );
+    let out = std::process::Command::new(microvm)
+        .arg("check-host")
+        .arg("--kernel")
+        .arg(kernel)
+        .output()
+        .map_err(|source| LifecycleError::Io {
+            what: format!("running {command}"),
+            source,
+        })?;
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reason = report
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("verdict:"))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_else(|| report.trim().to_string());
+    let hypervisor = match out.status.code() {
+        Some(0) => "kvm",
+        Some(2) => "qemu",
+        _ => {
+            return Err(LifecycleError::CheckHost {
+                command,
+                status: out.status.to_string(),
+                output: report,
+            })
+        }
+    };
+    Ok(VmBackend {
+        hypervisor,
+        reason,
+        report,
+    })
+}
+
+/// Writes a `microvm` shim config (what `ConfigPath` names) to `<dir>/microvm.toml`.
+pub fn write_shim_config(
+    dir: &Path,
+    hypervisor: &str,
+    kernel: &Path,
+    initrd: &Path,
+    log_level: &str,
+) -> Result<PathBuf, LifecycleError> {
+    let quote = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+    let path = dir.join("microvm.toml");
+    let text = format!(
+        "hypervisor = {}\nkernel = {}\ninitrd = {}\nlog_level = {}\n",
+        quote(hypervisor),
+        quote(&kernel.to_string_lossy()),
+        quote(&initrd.to_string_lossy()),
+        quote(log_level),
+    );
+    std::fs::write(&path, text).map_err(|source| LifecycleError::Io {
+        what: format!("writing {}", path.display()),
+        source,
+    })?;
+    Ok(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,5 +597,46 @@ mod tests {
     fn pss_of_this_process_is_nonzero() {
         assert!(pss_bytes(std::process::id() as i32) > 0);
         assert_eq!(pss_bytes(i32::MAX), 0);
+    }
+
+    #[test]
+    fn accel_from_the_qemu_command_line() {
+        let p = |cmdline: &str| PodProcess {
+            pid: 1,
+            name: "x".into(),
+            cmdline: cmdline.into(),
+        };
+        assert_eq!(vm_accel(&[p("/usr/bin/shim -id a")]), None);
+        assert_eq!(
+            vm_accel(&[
+                p("shim"),
+                p("qemu-system-x86_64 -M microvm -accel tcg -m 256M")
+            ]),
+            Some("TCG".into())
+        );
+        assert_eq!(
+            vm_accel(&[p("qemu-system-x86_64 -accel kvm -cpu host")]),
+            Some("KVM".into())
+        );
+    }
+
+    #[test]
+    fn pod_memory_sums_per_name() {
+        let m = PodMemory {
+            processes: vec![(1, "a".into(), 5), (2, "b".into(), 7), (3, "a".into(), 4)],
+        };
+        assert_eq!(m.total(), 16);
+        assert_eq!(
+            m.by_name(),
+            vec![("a".to_string(), 9), ("b".to_string(), 7)]
+        );
+    }
+
+    #[test]
+    fn this_process_tree_is_found_in_the_process_table() {
+        let own = std::process::id() as i32;
+        let table = process_table();
+        let me = table.iter().find(|p| p.pid == own).expect("own process");
+        assert!(table.iter().any(|p| p.pid == me.ppid));
     }
 }

@@ -1,0 +1,338 @@
+//! `make demo` (scripts/demo.sh): a busybox pod in a microVM, through containerd's CRI.
+//!
+//! 1. `microvm check-host` picks the VM backend: the embedded VMM where this host can boot our
+//!    guest kernel, QEMU otherwise (and says why);
+//! 2. a private containerd (own root, state, socket, CNI bridge; tests/src/containerd.rs) with
+//!    the `microvm` runtime handler configured, and the locally built busybox and pause images
+//!    imported (no registry);
+//! 3. RunPodSandbox with the `microvm` handler boots the pod's VM;
+//! 4. a busybox container prints the kernel it runs on (the guest's, next to the host's) and a
+//!    line, then exits with a chosen code; its CRI log lines and exit code are printed;
+//! 5. the pod is removed and nothing of it may remain (processes, mounts, state directory, shim
+//!    socket, network namespace, cgroups);
+//! 6. containerd is stopped and its directory, processes and bridge must be gone.
+//!
+//! Any failure ends the demo with a message and exit status 1, after the same cleanup (dropping
+//! the private containerd removes its pods and everything it made).
+//!
+//! Environment: `MICROVM_KERNEL`, `MICROVM_INITRD` (default: build/vmlinux, build/initrd.cpio),
+//! `MICROVM_DEMO_LOG_LEVEL` (the shim's and agent's, default `info`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use microvm_tests::containerd::{mounts_under, ContainerdOptions, PrivateContainerd};
+use microvm_tests::cri::{container_config, read_cri_log, CriClient};
+use microvm_tests::images::{BUSYBOX_IMAGE, PAUSE_IMAGE};
+use microvm_tests::lifecycle::{
+    choose_vm_backend, pod_processes, vm_accel, wait_pod_gone, write_shim_config,
+    MICROVM_STATE_ROOT,
+};
+
+const SHIM: &str = "containerd-shim-microvm-v1";
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// The exit code the demo container ends with.
+const EXIT_CODE: i32 = 7;
+const STEPS: usize = 6;
+
+fn step(n: usize, title: &str) {
+    println!("\n== Step {n}/{STEPS}: {title}");
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.2}s", d.as_secs_f64())
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn host_kernel_release() -> Result<String> {
+    let out = std::process::Command::new("uname")
+        .arg("-r")
+        .output()
+        .context("running uname -r")?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The shortened command line of a process, for display.
+fn short(cmdline: &str) -> String {
+    const MAX: usize = 110;
+    if cmdline.chars().count() <= MAX {
+        cmdline.to_string()
+    } else {
+        let cut: String = cmdline.chars().take(MAX).collect();
+        format!("{cut}…")
+    }
+}
+
+async fn run() -> Result<()> {
+    // SAFETY: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the demo starts containerd and VMs: run it as root");
+    }
+    let root = repo_root();
+    // microvm-demo is built next to the shim and the microvm tool (`make build`).
+    let exe = std::env::current_exe().context("locating the demo binary")?;
+    let bin_dir = exe
+        .parent()
+        .context("the demo binary has no directory")?
+        .to_path_buf();
+    let microvm = bin_dir.join("microvm");
+    let kernel = std::env::var_os("MICROVM_KERNEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("build/vmlinux"));
+    let initrd = std::env::var_os("MICROVM_INITRD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("build/initrd.cpio"));
+    for (path, how) in [
+        (&microvm, "make build"),
+        (&bin_dir.join(SHIM), "make build"),
+        (&kernel, "make kernel"),
+        (&initrd, "make initrd"),
+    ] {
+        if !path.exists() {
+            bail!("{} is missing: run `{how}`", path.display());
+        }
+    }
+    let log_level = std::env::var("MICROVM_DEMO_LOG_LEVEL").unwrap_or_else(|_| "info".into());
+    println!("microvm demo: a busybox pod in its own VM, through containerd's CRI");
+
+    step(1, "which VM backend? (`microvm check-host`)");
+    let backend = choose_vm_backend(&microvm, &kernel)?;
+    for line in backend.report.lines() {
+        println!("   | {line}");
+    }
+    match backend.hypervisor {
+        "kvm" => println!(
+            "-> backend: the embedded VMM on /dev/kvm (hypervisor = \"kvm\"), because: {}",
+            backend.reason
+        ),
+        _ => println!(
+            "-> backend: QEMU `-M microvm` (hypervisor = \"qemu\"; TCG unless /dev/kvm is hardware \
+             virtualization), because check-host says: {}",
+            backend.reason
+        ),
+    }
+
+    step(2, "a private containerd with the `microvm` runtime handler");
+    let config_dir = tempfile::Builder::new()
+        .prefix("microvm-demo-")
+        .tempdir()
+        .context("creating a temp dir for the shim config")?;
+    let shim_config = write_shim_config(
+        config_dir.path(),
+        backend.hypervisor,
+        &kernel,
+        &initrd,
+        &log_level,
+    )?;
+    let ctrd = PrivateContainerd::start(ContainerdOptions {
+        extra_path: vec![bin_dir.clone()],
+        microvm_config: Some(shim_config.clone()),
+        ..ContainerdOptions::default()
+    })
+    .context("starting the private containerd")?;
+    let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)
+        .await
+        .with_context(|| format!("connecting to CRI; containerd log:\n{}", ctrd.log_tail()))?;
+    cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .with_context(|| format!("CRI not ready; containerd log:\n{}", ctrd.log_tail()))?;
+    println!("   containerd:  {}", ctrd.socket().display());
+    println!(
+        "   directory:   {} (root, state, config.toml, CNI bridge {} on {})",
+        ctrd.dir().display(),
+        ctrd.bridge_name(),
+        ctrd.subnet()
+    );
+    println!(
+        "   handlers:    runc (io.containerd.runc.v2), microvm (io.containerd.microvm.v1 -> {})",
+        bin_dir.join(SHIM).display()
+    );
+    println!("   shim config: {} (ConfigPath)", shim_config.display());
+    for line in std::fs::read_to_string(&shim_config)
+        .unwrap_or_default()
+        .lines()
+    {
+        println!("   | {line}");
+    }
+    println!("   images:      {BUSYBOX_IMAGE}, {PAUSE_IMAGE} (built locally, imported)");
+    println!("   ready in {}", secs(ctrd.started_in()));
+
+    step(
+        3,
+        "RunPodSandbox with the `microvm` handler: the pod's VM boots",
+    );
+    let t = Instant::now();
+    let pod = cri
+        .run_pod_sandbox(ctrd.pod_config("demo", HashMap::new())?, "microvm")
+        .await
+        .with_context(|| format!("RunPodSandbox; containerd log:\n{}", ctrd.log_tail()))?;
+    println!("   pod {} ready in {}", pod.id, secs(t.elapsed()));
+    let netns = cri.pod_netns_path(&pod.id).await?;
+    let processes = pod_processes(&ctrd, &pod.id);
+    println!("   the pod on the host:");
+    for p in &processes {
+        println!("     {:>7} {:<16} {}", p.pid, p.name, short(&p.cmdline));
+    }
+    if backend.hypervisor == "qemu" {
+        let accel = vm_accel(&processes)
+            .context("the pod has no QEMU process although the backend is qemu")?;
+        println!("   the VM runs under QEMU with accel={accel}");
+    }
+
+    step(4, "a busybox container in the pod's VM");
+    let host_kernel = host_kernel_release()?;
+    let script = format!(
+        "echo \"uname -r: $(uname -r)\"; echo \"hello from busybox in a microVM, exiting with {EXIT_CODE}\"; exit {EXIT_CODE}"
+    );
+    println!("   command: sh -c '{script}'");
+    let t = Instant::now();
+    let id = cri
+        .create_container(
+            &pod,
+            container_config("hello", BUSYBOX_IMAGE, &["sh", "-c", &script]),
+        )
+        .await
+        .with_context(|| format!("CreateContainer; containerd log:\n{}", ctrd.log_tail()))?;
+    cri.start_container(&id)
+        .await
+        .with_context(|| format!("StartContainer; containerd log:\n{}", ctrd.log_tail()))?;
+    let status = cri
+        .wait_container_exited(&id, Duration::from_secs(120))
+        .await
+        .with_context(|| format!("waiting for the container; log:\n{}", ctrd.log_tail()))?;
+    println!("   container {id} ran in {}", secs(t.elapsed()));
+    let log_path = PathBuf::from(&status.log_path);
+    let log = read_cri_log(&log_path)?;
+    println!("   its CRI log ({}):", log_path.display());
+    for line in &log {
+        println!("     {} | {}", line.stream, line.text);
+    }
+    println!("   exit code: {}", status.exit_code);
+    let guest_kernel = log
+        .iter()
+        .find_map(|l| l.text.strip_prefix("uname -r: "))
+        .context("the container's log has no `uname -r:` line")?
+        .trim()
+        .to_string();
+    println!("   kernel inside the pod: {guest_kernel} (the guest's); on the host: {host_kernel}");
+    if guest_kernel == host_kernel {
+        bail!("the container saw the host's kernel {host_kernel}: it did not run in a VM");
+    }
+    if status.exit_code != EXIT_CODE {
+        bail!(
+            "the container exited {} instead of {EXIT_CODE}",
+            status.exit_code
+        );
+    }
+    if !log.iter().any(|l| l.text.starts_with("hello from busybox")) {
+        bail!("the container's output line is missing from its CRI log");
+    }
+
+    step(5, "remove the pod; nothing of it may remain");
+    let t = Instant::now();
+    cri.remove_container(&id).await?;
+    let removed_container = t.elapsed();
+    let t = Instant::now();
+    cri.stop_pod_sandbox(&pod.id).await?;
+    let stopped = t.elapsed();
+    let t = Instant::now();
+    cri.remove_pod_sandbox(&pod.id).await?;
+    println!(
+        "   RemoveContainer {}, StopPodSandbox {}, RemovePodSandbox {}",
+        secs(removed_container),
+        secs(stopped),
+        secs(t.elapsed())
+    );
+    let left = wait_pod_gone(&ctrd, &pod.id, netns.as_deref(), Duration::from_secs(30));
+    if !left.is_empty() {
+        bail!(
+            "left behind by pod {}:\n  {}\ncontainerd log:\n{}",
+            pod.id,
+            left.join("\n  "),
+            ctrd.log_tail()
+        );
+    }
+    let state = Path::new(MICROVM_STATE_ROOT).join(&pod.id);
+    println!(
+        "   nothing left: no shim, VM, virtiofsd or vhost-device-vsock process; no mount; no {}; \
+         no shim socket; no network namespace; no pod cgroup",
+        state.display()
+    );
+
+    step(6, "stop containerd");
+    let dir = ctrd.dir().to_path_buf();
+    let socket = ctrd.socket().to_path_buf();
+    let bridge = ctrd.bridge_name();
+    drop(cri);
+    drop(ctrd);
+    let mut left = Vec::new();
+    if dir.exists() {
+        left.push(format!("directory {}", dir.display()));
+    }
+    for m in mounts_under(&dir) {
+        left.push(format!("mount {}", m.display()));
+    }
+    if Path::new("/sys/class/net").join(&bridge).exists() {
+        left.push(format!("bridge {bridge}"));
+    }
+    let needle = socket.to_string_lossy().into_owned();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains(&needle) || cmdline.contains(&dir.to_string_lossy().into_owned()) {
+            left.push(format!("process {pid}: {cmdline}"));
+        }
+    }
+    if !left.is_empty() {
+        bail!("left behind by containerd:\n  {}", left.join("\n  "));
+    }
+    println!("   containerd stopped; its directory, bridge {bridge} and processes are gone");
+    println!(
+        "\nDemo OK: a busybox pod ran in a {} VM through containerd's CRI; guest kernel {guest_kernel} \
+         (host {host_kernel}); exit code {EXIT_CODE}; nothing left behind.",
+        if backend.hypervisor == "kvm" {
+            "embedded-VMM"
+        } else {
+            "QEMU"
+        }
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("demo FAILED: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Everything the demo started is dropped (and so cleaned up) before the result is printed.
+    match runtime.block_on(run()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("\ndemo FAILED: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
