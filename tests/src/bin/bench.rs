@@ -12,6 +12,12 @@
 //! Prints one line per metric, `NAME ours=… qemu=… ratio=…` (medians; ratio = ours / qemu),
 //! and the targets the issue sets. Timing assertions do not belong in tests on a noisy 2-core
 //! machine: this is where the numbers are checked, by reading them.
+//!
+//! Then pods through CRI (needs root; see `pod_bench`): a private containerd with the `runc` and
+//! `microvm` handlers, `BENCH_PODS` (default 10) timed pod lifecycles each, interleaved, and the
+//! host memory of each idle pod; lines `NAME ours=… runc=… ratio=…` with the VM backend and
+//! accelerator, and the issue's targets. `BENCH_ONLY=boot` or `BENCH_ONLY=pods` runs one part.
+//! docs/benchmarks.md has the numbers of this host and what dominates them.
 
 use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
@@ -20,6 +26,14 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use microvm_tests::containerd::{ContainerdOptions, PrivateContainerd};
+use microvm_tests::cri::CriClient;
+use microvm_tests::images::{BUSYBOX_IMAGE, PAUSE_IMAGE};
+use microvm_tests::lifecycle::{
+    choose_vm_backend, timed_pod_lifecycle_with, wait_pod_gone, write_shim_config,
+    LifecycleOptions, LifecycleOutcome, LifecycleTimings,
+};
+use std::collections::HashMap;
 
 /// One measured boot.
 #[derive(Debug, Clone, Copy)]
@@ -124,6 +138,22 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    if only != "pods" {
+        vmm_boot_bench()?;
+    }
+    if only != "boot" {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .context("starting the async runtime")?;
+        runtime.block_on(pod_bench())?;
+    }
+    Ok(())
+}
+
+fn vmm_boot_bench() -> Result<()> {
     let root = repo_root();
     let runs: usize = std::env::var("BENCH_RUNS")
         .ok()
@@ -226,5 +256,256 @@ fn main() -> Result<()> {
     );
     line("vmm_peak_rss", "MiB", mib(&ours), mib(&theirs));
     println!("# targets: start ratio <= 0.5; VMM overhead beyond guest memory <= 4 MiB");
+    Ok(())
+}
+
+/// Idle memory target of the issue, per pod.
+const IDLE_MEMORY_TARGET_MIB: f64 = 64.0;
+/// Lifecycle target of the issue: ours / runc.
+const LIFECYCLE_RATIO_TARGET: f64 = 1.5;
+
+fn met(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "NOT met"
+    }
+}
+
+/// Pods through CRI on one private containerd, `runc` and `microvm` handlers interleaved
+/// (alternating which goes first), after one uncounted warm-up pod of each:
+/// - the lifecycle of `microvm_tests::lifecycle::timed_pod_lifecycle` (RunPodSandbox,
+///   CreateContainer + StartContainer of a busybox `sleep`, ExecSync `uname -r`, StopPodSandbox,
+///   RemovePodSandbox), per step and total;
+/// - the host memory of the idle pod (its container sleeping, 1 s after StartContainer): the PSS
+///   of the pod's shim and everything it started (for `microvm` QEMU with the guest's touched
+///   memory, virtiofsd, vhost-device-vsock; for `runc` pause and the container).
+///
+/// Every pod must leave nothing behind before the next starts. A failing ExecSync of the
+/// `microvm` handler is reported on its line (and the totals then leave exec out) instead of
+/// ending the benchmark.
+async fn pod_bench() -> Result<()> {
+    // SAFETY: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the pod benchmark starts containerd and VMs: run it as root (or BENCH_ONLY=boot)");
+    }
+    let root = repo_root();
+    let pods: usize = std::env::var("BENCH_PODS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    // The shim and the microvm tool are built next to this binary (`make build`).
+    let exe = std::env::current_exe().context("locating the bench binary")?;
+    let bin_dir = exe.parent().context("no bin dir")?.to_path_buf();
+    let microvm = bin_dir.join("microvm");
+    let kernel = root.join("build/vmlinux");
+    let initrd = root.join("build/initrd.cpio");
+    for p in [
+        &microvm,
+        &bin_dir.join("containerd-shim-microvm-v1"),
+        &kernel,
+        &initrd,
+    ] {
+        if !p.exists() {
+            bail!("{} is missing: make build kernel initrd", p.display());
+        }
+    }
+    let backend = choose_vm_backend(&microvm, &kernel)?;
+    let config_dir = tempfile::tempdir().context("temp dir for the shim config")?;
+    let config = write_shim_config(
+        config_dir.path(),
+        backend.hypervisor,
+        &kernel,
+        &initrd,
+        "info",
+    )?;
+    let ctrd = PrivateContainerd::start(ContainerdOptions {
+        extra_path: vec![bin_dir],
+        microvm_config: Some(config),
+        ..ContainerdOptions::default()
+    })
+    .context("starting the private containerd")?;
+    let cri = CriClient::connect(ctrd.socket(), Duration::from_secs(120))
+        .await
+        .with_context(|| format!("CRI; containerd log:\n{}", ctrd.log_tail()))?;
+    cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .with_context(|| format!("CRI not ready; containerd log:\n{}", ctrd.log_tail()))?;
+
+    let opts = LifecycleOptions {
+        idle_memory_after: Some(Duration::from_secs(1)),
+        tolerate_exec_failure: true,
+    };
+    let run_one = |handler: &'static str, name: String| {
+        let ctrd = &ctrd;
+        let cri = &cri;
+        async move {
+            let outcome = timed_pod_lifecycle_with(ctrd, cri, handler, &name, HashMap::new(), opts)
+                .await
+                .with_context(|| {
+                    format!("{handler} pod {name}; containerd log:\n{}", ctrd.log_tail())
+                })?;
+            let left = wait_pod_gone(
+                ctrd,
+                &outcome.pod_id,
+                outcome.netns.as_deref(),
+                Duration::from_secs(30),
+            );
+            if !left.is_empty() {
+                bail!("{handler} pod {name} left:\n  {}", left.join("\n  "));
+            }
+            Ok::<LifecycleOutcome, anyhow::Error>(outcome)
+        }
+    };
+    eprintln!("bench: pods: warm-up (runc, microvm), then {pods} of each, interleaved");
+    run_one("runc", "warmup-runc".into()).await?;
+    run_one("microvm", "warmup-microvm".into()).await?;
+    let mut ours = Vec::new();
+    let mut runc = Vec::new();
+    for i in 0..pods {
+        let order: [&'static str; 2] = if i % 2 == 0 {
+            ["microvm", "runc"]
+        } else {
+            ["runc", "microvm"]
+        };
+        for handler in order {
+            let outcome = run_one(handler, format!("bench-{handler}-{i}")).await?;
+            eprintln!(
+                "bench: {handler} pod {i}: total {:.2}s, idle memory {:.1} MiB{}",
+                outcome.timings.total().as_secs_f64(),
+                outcome.idle_memory.as_ref().map(|m| m.total()).unwrap_or(0) as f64 / 1048576.0,
+                outcome
+                    .exec_error
+                    .as_ref()
+                    .map(|e| format!(", exec failed: {e}"))
+                    .unwrap_or_default()
+            );
+            if handler == "microvm" {
+                ours.push(outcome);
+            } else {
+                runc.push(outcome);
+            }
+        }
+    }
+    drop(cri);
+    drop(ctrd);
+
+    let accel = ours
+        .iter()
+        .find_map(|o| o.accel.clone())
+        .unwrap_or_else(|| {
+            if backend.hypervisor == "kvm" {
+                "KVM".into()
+            } else {
+                "unknown".into()
+            }
+        });
+    let why = if backend.hypervisor == "kvm" {
+        "the embedded VMM boots our guest here".to_string()
+    } else if accel == "TCG" {
+        "/dev/kvm cannot boot our Linux guest here".to_string()
+    } else {
+        "check-host: the embedded VMM cannot boot our guest here".to_string()
+    };
+    let tag = format!("(backend={} accel={accel}: {why})", backend.hypervisor);
+    let guest_kernel = ours
+        .iter()
+        .map(|o| o.kernel_release.as_str())
+        .find(|k| !k.is_empty())
+        .unwrap_or("?");
+    let host_kernel = runc
+        .iter()
+        .map(|o| o.kernel_release.as_str())
+        .find(|k| !k.is_empty())
+        .unwrap_or("?");
+    println!(
+        "# pods through CRI on a private containerd: {pods} lifecycles per handler, interleaved, \
+         medians; ours = the microvm handler (backend {}, accel {accel}; check-host: {}), \
+         ExecSync uname -r: {guest_kernel} in our pods, {host_kernel} in runc's",
+        backend.hypervisor, backend.reason
+    );
+    let ours_exec_failures: Vec<&str> = ours
+        .iter()
+        .filter_map(|o| o.exec_error.as_deref())
+        .collect();
+    if let Some(e) = runc.iter().find_map(|o| o.exec_error.as_deref()) {
+        bail!("ExecSync failed in a runc pod: {e}");
+    }
+    let exec_ok = ours_exec_failures.is_empty();
+    // With a failed exec in our pods, both totals leave exec out, so they compare like for like.
+    let timings = |v: &[LifecycleOutcome], without_exec: bool| -> Vec<LifecycleTimings> {
+        v.iter()
+            .map(|o| {
+                let mut t = o.timings;
+                if without_exec {
+                    t.exec = Duration::ZERO;
+                }
+                t
+            })
+            .collect()
+    };
+    let ours_med = LifecycleTimings::median(&timings(&ours, !exec_ok));
+    let runc_med = LifecycleTimings::median(&timings(&runc, !exec_ok));
+    let runc_exec = LifecycleTimings::median(&timings(&runc, false)).exec;
+    for ((step, o), (_, r)) in ours_med.steps().into_iter().zip(runc_med.steps()) {
+        let (o, r) = (o.as_secs_f64(), r.as_secs_f64());
+        let name = format!("pod_lifecycle_{step}");
+        if step == "exec" && !exec_ok {
+            println!(
+                "{name} ours=FAILED runc={:.3}s ratio=n/a {tag} ({} of {} ExecSync calls in our pods failed: {})",
+                runc_exec.as_secs_f64(),
+                ours_exec_failures.len(),
+                ours.len(),
+                ours_exec_failures[0]
+            );
+            continue;
+        }
+        let ratio = o / r;
+        let target = if step == "total" {
+            format!(
+                "target ratio<={LIFECYCLE_RATIO_TARGET}: {}{}",
+                met(ratio <= LIFECYCLE_RATIO_TARGET),
+                if exec_ok {
+                    ""
+                } else {
+                    " (both totals leave exec out: ours failed)"
+                }
+            )
+        } else {
+            "target: on the total".to_string()
+        };
+        println!("{name} ours={o:.3}s runc={r:.3}s ratio={ratio:.2} {target} {tag}");
+    }
+    let mib = |v: &[LifecycleOutcome]| {
+        median(
+            v.iter()
+                .map(|o| o.idle_memory.as_ref().map(|m| m.total()).unwrap_or(0) as f64 / 1048576.0)
+                .collect(),
+        )
+    };
+    let (o, r) = (mib(&ours), mib(&runc));
+    println!(
+        "pod_idle_host_memory ours={o:.1}MiB runc={r:.1}MiB ratio={:.2} target ours<={IDLE_MEMORY_TARGET_MIB}MiB: {} {tag}",
+        o / r,
+        met(o <= IDLE_MEMORY_TARGET_MIB)
+    );
+    for (label, v) in [("ours", &ours), ("runc", &runc)] {
+        // The breakdown of the pod whose total is the median.
+        let mut sorted: Vec<&LifecycleOutcome> = v.iter().collect();
+        sorted.sort_by_key(|o| o.idle_memory.as_ref().map(|m| m.total()).unwrap_or(0));
+        if let Some(mem) = sorted
+            .get(sorted.len().saturating_sub(1) / 2)
+            .and_then(|o| o.idle_memory.as_ref())
+        {
+            println!(
+                "# {label} idle pod (median) by process, PSS: {}",
+                mem.by_name()
+                    .iter()
+                    .map(|(n, b)| format!("{n} {:.1}MiB", *b as f64 / 1048576.0))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
     Ok(())
 }
