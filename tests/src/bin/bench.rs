@@ -51,6 +51,16 @@ fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// Where the shim and the `microvm` tool are: next to this binary (`make build` builds them all
+/// into the same target folder).
+fn bin_dir() -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the bench binary")?;
+    Ok(exe
+        .parent()
+        .context("the bench binary has no folder")?
+        .to_path_buf())
+}
+
 /// Spawns `cmd`, times its first stdout byte and its exit, and reads its peak RSS.
 fn measure(mut cmd: Command, what: &str, timeout: Duration) -> Result<Sample> {
     cmd.stdout(Stdio::piped())
@@ -162,7 +172,7 @@ fn vmm_boot_bench() -> Result<()> {
     let guest = std::env::var_os("BENCH_GUEST")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("build/guests/hello.elf"));
-    let microvm = root.join("target/release/microvm");
+    let microvm = bin_dir()?.join("microvm");
     let qemu = "qemu-system-x86_64";
     let memory_mib = 128;
     for (p, what) in [
@@ -294,9 +304,7 @@ async fn pod_bench() -> Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10);
-    // The shim and the microvm tool are built next to this binary (`make build`).
-    let exe = std::env::current_exe().context("locating the bench binary")?;
-    let bin_dir = exe.parent().context("no bin dir")?.to_path_buf();
+    let bin_dir = bin_dir()?;
     let microvm = bin_dir.join("microvm");
     let kernel = root.join("build/vmlinux");
     let initrd = root.join("build/initrd.cpio");
@@ -412,12 +420,12 @@ async fn pod_bench() -> Result<()> {
         .iter()
         .map(|o| o.kernel_release.as_str())
         .find(|k| !k.is_empty())
-        .unwrap_or("?");
+        .unwrap_or("n/a (exec failed)");
     let host_kernel = runc
         .iter()
         .map(|o| o.kernel_release.as_str())
         .find(|k| !k.is_empty())
-        .unwrap_or("?");
+        .unwrap_or("n/a (exec failed)");
     println!(
         "# pods through CRI on a private containerd: {pods} lifecycles per handler, interleaved, \
          medians; ours = the microvm handler (backend {}, accel {accel}; check-host: {}), \
