@@ -592,7 +592,7 @@ async fn a_missing_entrypoint_fails_start_container_naming_it() {
 }
 
 /// What a container's OCI spec asks for holds inside the guest: user and group, working
-/// directory, env, the pod's hostname, read-only rootfs, dropped capabilities, masked paths,
+/// directory, env, the pod's hostname, read-only rootfs, dropped capabilities, a masked path,
 /// the runtime's default seccomp profile and the memory limit as the container's cgroup limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_containers_spec_applies_inside_the_guest() {
@@ -619,7 +619,7 @@ async fn the_containers_spec_applies_inside_the_guest() {
     let script = "echo uid=$(id -u) gid=$(id -g); echo cwd=$(pwd); echo foo=$FOO; \
                   echo host=$(hostname); touch /written 2>/dev/null && echo rootfs=rw || echo rootfs=ro; \
                   grep CapBnd /proc/self/status | tr -d '\\t'; \
-                  test -c /proc/kcore && echo kcore=masked; \
+                  test -c /proc/version && echo version=masked; \
                   grep Seccomp: /proc/self/status | tr -d '\\t'; \
                   echo memmax=$(cat /sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup)/memory.max)";
     let mut cfg = container_config("spec", BUSYBOX_IMAGE, &["sh", "-c", script]);
@@ -637,6 +637,7 @@ async fn the_containers_spec_applies_inside_the_guest() {
             run_as_user: Some(Int64Value { value: 1000 }),
             run_as_group: Some(Int64Value { value: 3000 }),
             readonly_rootfs: true,
+            masked_paths: vec!["/proc/version".into()],
             capabilities: Some(Capability {
                 drop_capabilities: vec!["ALL".into()],
                 add_capabilities: vec!["CHOWN".into()],
@@ -674,7 +675,7 @@ async fn the_containers_spec_applies_inside_the_guest() {
         "host=microvm-spec",
         "rootfs=ro",
         "CapBnd:0000000000000001",
-        "kcore=masked",
+        "version=masked",
         "Seccomp:2",
         "memmax=67108864",
     ];
