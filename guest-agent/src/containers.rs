@@ -52,6 +52,8 @@ pub enum ContainerError {
     AlreadyStarted(String),
     #[error("process {0:?} has not been started")]
     NotStarted(String),
+    #[error("process {0:?} is still running")]
+    StillRunning(String),
     #[error("invalid {what} JSON: {source}")]
     Json {
         what: &'static str,
@@ -108,7 +110,9 @@ impl ContainerError {
             }
             Self::Exists(_) | Self::ExecExists(_) => ttrpc::Code::ALREADY_EXISTS,
             Self::NoContainer(_) | Self::NoExec { .. } => ttrpc::Code::NOT_FOUND,
-            Self::AlreadyStarted(_) | Self::NotStarted(_) => ttrpc::Code::FAILED_PRECONDITION,
+            Self::AlreadyStarted(_) | Self::NotStarted(_) | Self::StillRunning(_) => {
+                ttrpc::Code::FAILED_PRECONDITION
+            }
             _ => ttrpc::Code::INTERNAL,
         }
     }
@@ -583,6 +587,24 @@ impl Containers {
                 .map_err(io_err("sharing the pty master"))?;
         }
         Ok(u32::try_from(pid).unwrap_or(0))
+    }
+
+    /// Forgets exec `exec_id` of container `id` once it has exited or if it never started.
+    pub fn remove_exec(&self, id: &str, exec_id: &str) -> Result<(), ContainerError> {
+        check_id(exec_id)?;
+        let (entry, proc) = self.process(id, exec_id)?;
+        let started = proc.pid().is_some();
+        if started && proc.exit.get().is_none() {
+            return Err(ContainerError::StillRunning(exec_id.to_owned()));
+        }
+        // A never-started exec still holds its stdio: close stdin so that nothing waits on it.
+        proc.streams.close_stdin();
+        entry
+            .execs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(exec_id);
+        Ok(())
     }
 
     pub fn signal(

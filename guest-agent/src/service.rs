@@ -293,6 +293,18 @@ impl Agent for AgentService {
         Ok(RemoveContainerResponse::new())
     }
 
+    fn remove_exec(
+        &self,
+        _ctx: &TtrpcContext,
+        req: RemoveExecRequest,
+    ) -> ttrpc::Result<RemoveExecResponse> {
+        self.containers
+            .remove_exec(&req.container_id, &req.exec_id)
+            .map_err(|e| failed("RemoveExec", e))?;
+        log::debug!("exec {} of {} removed", req.exec_id, req.container_id);
+        Ok(RemoveExecResponse::new())
+    }
+
     fn get_oom_event(
         &self,
         ctx: &TtrpcContext,

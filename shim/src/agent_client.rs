@@ -406,10 +406,145 @@ impl AgentClient {
             })
     }
 
-    /// The raw ttrpc client, for the calls without a typed wrapper yet (ListPids, Stats,
-    /// UpdateContainer, Pause/Resume, GetOomEvent).
-    pub fn raw(&self) -> &agent_ttrpc::AgentClient {
-        &self.rpc
+    /// The guest pids of the processes in the container's cgroup.
+    pub fn list_pids(&self, container_id: &str) -> Result<Vec<u32>, AgentError> {
+        let req = agent_protocol::agent::ListPidsRequest {
+            container_id: container_id.to_owned(),
+            ..Default::default()
+        };
+        let method = "ListPids";
+        let reply = self
+            .rpc
+            .list_pids(self.context(), &req)
+            .map_err(|source| AgentError::Rpc { method, source })?;
+        if reply.pids.len() > MAX_PIDS {
+            return Err(AgentError::BadReply {
+                method,
+                reason: format!("{} pids (max {MAX_PIDS})", reply.pids.len()),
+            });
+        }
+        Ok(reply.pids)
+    }
+
+    /// The container's cgroup v2 figures.
+    pub fn stats(
+        &self,
+        container_id: &str,
+    ) -> Result<agent_protocol::agent::StatsResponse, AgentError> {
+        let req = agent_protocol::agent::StatsRequest {
+            container_id: container_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .stats(self.context(), &req)
+            .map_err(|source| AgentError::Rpc {
+                method: "Stats",
+                source,
+            })
+    }
+
+    /// Applies OCI `LinuxResources` (JSON) to the container's cgroup.
+    pub fn update_container(
+        &self,
+        container_id: &str,
+        resources_json: Vec<u8>,
+    ) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::UpdateContainerRequest {
+            container_id: container_id.to_owned(),
+            resources_json,
+            ..Default::default()
+        };
+        self.rpc
+            .update_container(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "UpdateContainer",
+                source,
+            })
+    }
+
+    pub fn pause_container(&self, container_id: &str) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::PauseContainerRequest {
+            container_id: container_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .pause_container(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "PauseContainer",
+                source,
+            })
+    }
+
+    pub fn resume_container(&self, container_id: &str) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::ResumeContainerRequest {
+            container_id: container_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .resume_container(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "ResumeContainer",
+                source,
+            })
+    }
+
+    /// Long poll for the next OOM kill: the container's id, or `None` when none came within
+    /// `timeout`.
+    pub fn get_oom_event(&self, timeout: Duration) -> Result<Option<String>, AgentError> {
+        let method = "GetOomEvent";
+        let req = agent_protocol::agent::GetOomEventRequest::new();
+        match self.rpc.get_oom_event(Self::ctx_for(timeout), &req) {
+            Ok(reply) => {
+                if !agent_protocol::stdio::valid_id(&reply.container_id) {
+                    return Err(AgentError::BadReply {
+                        method,
+                        reason: format!("container id {:?}", reply.container_id),
+                    });
+                }
+                Ok(Some(reply.container_id))
+            }
+            Err(source) if is_timeout(&source) => Ok(None),
+            Err(source) => Err(AgentError::Rpc { method, source }),
+        }
+    }
+
+    /// Forgets an exec process that has exited (or never started).
+    pub fn remove_exec(&self, container_id: &str, exec_id: &str) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::RemoveExecRequest {
+            container_id: container_id.to_owned(),
+            exec_id: exec_id.to_owned(),
+            ..Default::default()
+        };
+        self.rpc
+            .remove_exec(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "RemoveExec",
+                source,
+            })
+    }
+}
+
+/// Most pids a ListPids reply may carry.
+const MAX_PIDS: usize = 65_536;
+
+/// Whether an RPC failed only because its long poll ended: ttrpc's own deadline or the agent's
+/// DEADLINE_EXCEEDED answer.
+pub fn is_timeout(err: &ttrpc::Error) -> bool {
+    match err {
+        ttrpc::Error::Others(m) => m.contains("imeout"),
+        ttrpc::Error::RpcStatus(s) => s.code() == ttrpc::Code::DEADLINE_EXCEEDED,
+        _ => false,
+    }
+}
+
+impl AgentError {
+    /// Whether this is only the end of a long poll (see [`is_timeout`]).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, AgentError::Rpc { source, .. } if is_timeout(source))
     }
 }
 

@@ -59,6 +59,7 @@ mod tests {
                 "/microvm.agent.v1.Agent/ListPids",
                 "/microvm.agent.v1.Agent/PauseContainer",
                 "/microvm.agent.v1.Agent/RemoveContainer",
+                "/microvm.agent.v1.Agent/RemoveExec",
                 "/microvm.agent.v1.Agent/ResizePty",
                 "/microvm.agent.v1.Agent/ResumeContainer",
                 "/microvm.agent.v1.Agent/Shutdown",

@@ -11,9 +11,13 @@
 //! - [`guest_spec`]: an app container's OCI spec rewritten for the guest.
 //! - [`stdio`]: a process's FIFOs copied to and from the agent's stdio streams.
 //! - [`share`]: an app container's rootfs and bind sources mounted into the pod's shared folder.
+//! - [`exec`]: exec processes of app containers, and the waiter reporting process exits.
+//! - [`metrics`]: an app container's cgroup v2 figures as containerd's Stats `Any`.
 
 pub mod bundle;
+pub mod exec;
 pub mod guest_spec;
+pub mod metrics;
 pub mod options;
 pub mod sandbox_vm;
 pub mod service;

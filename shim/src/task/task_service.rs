@@ -15,16 +15,20 @@ use async_trait::async_trait;
 use containerd_shim::asynchronous::ExitSignal;
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim_protos::api;
-use containerd_shim_protos::events::task::{TaskCreate, TaskDelete, TaskExit, TaskIO, TaskStart};
+use containerd_shim_protos::events::task::{
+    TaskCreate, TaskDelete, TaskExit, TaskIO, TaskOOM, TaskPaused, TaskResumed, TaskStart,
+};
 use containerd_shim_protos::protobuf::MessageDyn;
 use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::topics;
 use containerd_shim_protos::ttrpc::{self, r#async::TtrpcContext, Code};
 use tokio::sync::{watch, Mutex};
 
+use crate::agent_client::AgentClient;
 use crate::config::{Config, Hypervisor};
 use crate::guest_vm::{Backend, GuestSpec, SharedDir};
 use crate::task::bundle::{self, Role};
+use crate::task::exec::ExecProc;
 use crate::task::guest_spec;
 use crate::task::options;
 use crate::task::sandbox_vm::{SandboxVm, VmExit};
@@ -33,31 +37,55 @@ use crate::task::share::{self, RootfsMount};
 use crate::task::state_dir::{state_root, StateDir};
 use crate::task::stdio::{self, Fifos};
 
-type TtrpcResult<T> = Result<T, ttrpc::Error>;
+pub(crate) type TtrpcResult<T> = Result<T, ttrpc::Error>;
 
-/// Each WaitProcess call to the agent is bounded by this; the wait is renewed until the exit.
-const APP_WAIT_SLICE: std::time::Duration = std::time::Duration::from_secs(3600);
+/// Each GetOomEvent long poll to the agent is bounded by this.
+const OOM_POLL: std::time::Duration = std::time::Duration::from_secs(30);
 
-fn status(code: Code, message: impl Into<String>) -> ttrpc::Error {
+pub(crate) fn status(code: Code, message: impl Into<String>) -> ttrpc::Error {
     ttrpc::Error::RpcStatus(ttrpc::get_status(code, message.into()))
 }
 
-/// Where a container is in its life.
+/// Where a container or exec process is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
+pub enum Phase {
     Created,
     Running,
+    Paused,
     Stopped,
 }
 
 /// A container this shim serves: the pod's sandbox (its VM) or an app container in the VM.
-struct Container {
-    bundle: String,
+pub(crate) struct Container {
+    pub(crate) bundle: String,
     pid: u32,
-    phase: Phase,
-    exit: watch::Receiver<Option<VmExit>>,
+    pub(crate) phase: Phase,
+    pub(crate) exit: watch::Receiver<Option<VmExit>>,
     /// For app containers: where their exit is reported (the sandbox's comes from the VM).
-    app_exit: Option<Arc<watch::Sender<Option<VmExit>>>>,
+    pub(crate) app_exit: Option<Arc<watch::Sender<Option<VmExit>>>>,
+    /// App containers: the init's stdin copy (until CloseIO or Delete) and FIFO.
+    stdin: Option<stdio::StdinCopy>,
+    stdin_fifo: String,
+    /// App containers: the init's output copies, until Start hands them to the waiter.
+    outputs: Vec<std::thread::JoinHandle<()>>,
+    /// Exec processes by exec id.
+    pub(crate) execs: HashMap<String, ExecProc>,
+}
+
+impl Container {
+    fn new(bundle: &str, pid: u32, exit: watch::Receiver<Option<VmExit>>) -> Self {
+        Container {
+            bundle: bundle.to_string(),
+            pid,
+            phase: Phase::Created,
+            exit,
+            app_exit: None,
+            stdin: None,
+            stdin_fifo: String::new(),
+            outputs: Vec::new(),
+            execs: HashMap::new(),
+        }
+    }
 }
 
 /// The pod: its state directory and VM.
@@ -68,9 +96,43 @@ struct Pod {
 }
 
 #[derive(Default)]
-struct Inner {
+pub(crate) struct Inner {
     pod: Option<Pod>,
-    containers: HashMap<String, Container>,
+    pub(crate) containers: HashMap<String, Container>,
+}
+
+impl Inner {
+    /// App container `id` (the sandbox is not one: it has no processes of its own).
+    pub(crate) fn app(&self, id: &str) -> TtrpcResult<&Container> {
+        let c = self.containers.get(id).ok_or_else(|| not_found(id))?;
+        if c.app_exit.is_none() {
+            return Err(status(
+                Code::FAILED_PRECONDITION,
+                format!(
+                    "microvm: {id} is the pod sandbox (the VM), which runs no processes of its own"
+                ),
+            ));
+        }
+        Ok(c)
+    }
+
+    /// Exec `exec_id` of app container `id`.
+    pub(crate) fn exec(&self, id: &str, exec_id: &str) -> TtrpcResult<&ExecProc> {
+        self.app(id)?.execs.get(exec_id).ok_or_else(|| {
+            status(
+                Code::NOT_FOUND,
+                format!("microvm: exec {exec_id} of container {id} not found"),
+            )
+        })
+    }
+
+    /// The pod VM's agent and its hybrid-vsock socket.
+    pub(crate) fn pod_agent_and_socket(&self) -> TtrpcResult<(Arc<AgentClient>, PathBuf)> {
+        self.pod
+            .as_ref()
+            .map(|p| (p.vm.agent(), p.vm.agent_socket().to_path_buf()))
+            .ok_or_else(|| status(Code::FAILED_PRECONDITION, "microvm: no pod VM"))
+    }
 }
 
 /// The task service of one pod's shim.
@@ -80,7 +142,7 @@ pub struct TaskService {
     publisher: Arc<RemotePublisher>,
     exit: Arc<ExitSignal>,
     config_path: Option<PathBuf>,
-    inner: Arc<Mutex<Inner>>,
+    pub(crate) inner: Arc<Mutex<Inner>>,
 }
 
 impl TaskService {
@@ -101,7 +163,7 @@ impl TaskService {
         }
     }
 
-    async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
+    pub(crate) async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
         let ctx = ttrpc::context::Context::default();
         if let Err(e) = self
             .publisher
@@ -215,18 +277,16 @@ impl TaskService {
             state,
             vm,
         });
+        let agent = inner.pod.as_ref().map(|p| p.vm.agent());
         inner.containers.insert(
             req.id.clone(),
-            Container {
-                bundle: req.bundle.clone(),
-                pid,
-                phase: Phase::Created,
-                exit: exit.clone(),
-                app_exit: None,
-            },
+            Container::new(&req.bundle, pid, exit.clone()),
         );
         drop(inner);
-        self.spawn_exit_monitor(req.id.clone(), pid, exit);
+        self.spawn_exit_monitor(req.id.clone(), pid, exit.clone());
+        if let Some(agent) = agent {
+            self.spawn_oom_watcher(agent, exit);
+        }
         Ok(pid)
     }
 
@@ -259,6 +319,47 @@ impl TaskService {
                     }),
                 )
                 .await;
+        });
+    }
+
+    /// Publishes TaskOOM for each OOM kill the agent reports, until the VM ends.
+    fn spawn_oom_watcher(&self, agent: Arc<AgentClient>, exit: watch::Receiver<Option<VmExit>>) {
+        let service = self.clone();
+        tokio::spawn(async move {
+            let mut warned = false;
+            while exit.borrow().is_none() {
+                let a = agent.clone();
+                let polled = tokio::task::spawn_blocking(move || a.get_oom_event(OOM_POLL)).await;
+                match polled {
+                    Ok(Ok(Some(container_id))) => {
+                        log::info!("container {container_id}: OOM kill in the guest");
+                        service
+                            .publish(
+                                topics::TASK_OOM_EVENT_TOPIC,
+                                Box::new(TaskOOM {
+                                    container_id,
+                                    ..Default::default()
+                                }),
+                            )
+                            .await;
+                    }
+                    Ok(Ok(None)) => {}
+                    Ok(Err(e)) => {
+                        if exit.borrow().is_some() {
+                            break;
+                        }
+                        if !warned {
+                            log::warn!("watching for OOM kills in the guest: {e}");
+                            warned = true;
+                        }
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    }
+                    Err(e) => {
+                        log::warn!("OOM watcher task: {e}");
+                        break;
+                    }
+                }
+            }
         });
     }
 
@@ -318,39 +419,43 @@ impl TaskService {
         };
         let id = req.id.clone();
         let bundle_rootfs = PathBuf::from(&req.bundle).join("rootfs");
-        let created = tokio::task::spawn_blocking(move || -> Result<u32, String> {
-            share::share_container(&state, &id, &rootfs, &bundle_rootfs, &binds)
-                .map_err(|e| e.to_string())?;
-            let undo = |msg: String| {
-                let _ = share::unshare_container(&state, &id);
-                msg
-            };
-            let json = serde_json::to_vec(&spec).map_err(|e| undo(e.to_string()))?;
-            let request = agent_protocol::agent::CreateContainerRequest {
-                container_id: id.clone(),
-                oci_spec_json: json,
-                stdio: Some(agent_protocol::agent::Stdio {
-                    terminal: fifos.terminal,
-                    stdin: !fifos.stdin.is_empty(),
-                    stdout: !fifos.stdout.is_empty(),
-                    stderr: !fifos.stderr.is_empty() && !fifos.terminal,
+        let created =
+            tokio::task::spawn_blocking(move || -> Result<(u32, stdio::Attached), String> {
+                share::share_container(&state, &id, &rootfs, &bundle_rootfs, &binds)
+                    .map_err(|e| e.to_string())?;
+                let undo = |msg: String| {
+                    let _ = share::unshare_container(&state, &id);
+                    msg
+                };
+                let json = serde_json::to_vec(&spec).map_err(|e| undo(e.to_string()))?;
+                let request = agent_protocol::agent::CreateContainerRequest {
+                    container_id: id.clone(),
+                    oci_spec_json: json,
+                    stdio: Some(agent_protocol::agent::Stdio {
+                        terminal: fifos.terminal,
+                        stdin: !fifos.stdin.is_empty(),
+                        stdout: !fifos.stdout.is_empty(),
+                        stderr: !fifos.stderr.is_empty() && !fifos.terminal,
+                        ..Default::default()
+                    })
+                    .into(),
                     ..Default::default()
-                })
-                .into(),
-                ..Default::default()
-            };
-            let pid = agent
-                .create_container(&request)
-                .map_err(|e| undo(e.to_string()))?;
-            if let Err(e) = stdio::attach(&socket, &id, "", &fifos) {
-                let _ = agent.remove_container(&id);
-                return Err(undo(e.to_string()));
-            }
-            Ok(pid)
-        })
-        .await
-        .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
-        let pid = created.map_err(|e| {
+                };
+                let pid = agent
+                    .create_container(&request)
+                    .map_err(|e| undo(e.to_string()))?;
+                match stdio::attach(&socket, &id, "", &fifos) {
+                    Ok(attached) => Ok((pid, attached)),
+                    Err(e) => {
+                        let _ = agent.remove_container(&id);
+                        Err(undo(e.to_string()))
+                    }
+                }
+            })
+            .await
+            .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
+        let stdin_fifo = req.stdin.clone();
+        let (pid, attached) = created.map_err(|e| {
             let tail = crate::guest_vm::console_tail(&console, CONSOLE_TAIL_LINES);
             log::warn!(
                 "creating container {} failed: {e}; guest console ends with:\n{tail}",
@@ -368,72 +473,68 @@ impl TaskService {
             )
         })?;
         let (tx, rx) = watch::channel(None);
-        self.inner.lock().await.containers.insert(
-            req.id.clone(),
-            Container {
-                bundle: req.bundle.clone(),
-                pid,
-                phase: Phase::Created,
-                exit: rx,
-                app_exit: Some(Arc::new(tx)),
-            },
-        );
+        let mut container = Container::new(&req.bundle, pid, rx);
+        container.app_exit = Some(Arc::new(tx));
+        container.stdin = attached.stdin;
+        container.stdin_fifo = stdin_fifo;
+        container.outputs = attached.outputs;
+        self.inner
+            .lock()
+            .await
+            .containers
+            .insert(req.id.clone(), container);
         Ok(pid)
     }
 
-    async fn pod_agent(&self) -> TtrpcResult<Arc<crate::agent_client::AgentClient>> {
-        let inner = self.inner.lock().await;
-        inner
-            .pod
-            .as_ref()
-            .map(|p| p.vm.agent())
-            .ok_or_else(|| status(Code::FAILED_PRECONDITION, "microvm: no pod VM"))
+    async fn pod_agent(&self) -> TtrpcResult<Arc<AgentClient>> {
+        Ok(self.inner.lock().await.pod_agent_and_socket()?.0)
     }
 
-    /// Waits (in the agent) for app container `id`'s init to exit, then reports it.
-    fn spawn_app_waiter(&self, id: String, pid: u32, agent: Arc<crate::agent_client::AgentClient>) {
-        let service = self.clone();
-        tokio::spawn(async move {
-            let wid = id.clone();
-            let status = tokio::task::spawn_blocking(move || loop {
-                match agent.wait_process(&wid, "", APP_WAIT_SLICE) {
-                    Ok((status, _)) => break status,
-                    Err(crate::agent_client::AgentError::Rpc {
-                        source: ttrpc::Error::Others(ref m),
-                        ..
-                    }) if m.contains("imeout") => continue,
-                    Err(e) => {
-                        log::warn!("waiting for container {wid}: {e}");
-                        break crate::task::sandbox_vm::UNEXPECTED_EXIT_STATUS;
-                    }
-                }
-            })
-            .await
-            .unwrap_or(crate::task::sandbox_vm::UNEXPECTED_EXIT_STATUS);
-            let exit = VmExit {
-                status,
-                at: SystemTime::now(),
+    /// Pause (`paused`) or Resume of app container `id` through the agent (cgroup freezer).
+    async fn set_paused(&self, id: &str, paused: bool) -> TtrpcResult<()> {
+        let agent = {
+            let inner = self.inner.lock().await;
+            let c = inner.app(id)?;
+            let want = if paused {
+                Phase::Running
+            } else {
+                Phase::Paused
             };
-            if let Some(c) = service.inner.lock().await.containers.get_mut(&id) {
-                c.phase = Phase::Stopped;
-                if let Some(tx) = &c.app_exit {
-                    let _ = tx.send(Some(exit));
-                }
+            if c.phase != want || c.exit.borrow().is_some() {
+                return Err(status(
+                    Code::FAILED_PRECONDITION,
+                    format!(
+                        "microvm: container {id} is {:?}; cannot {}",
+                        c.phase,
+                        if paused { "pause" } else { "resume" }
+                    ),
+                ));
             }
-            service
-                .publish(
-                    topics::TASK_EXIT_EVENT_TOPIC,
-                    Box::new(TaskExit {
-                        container_id: id.clone(),
-                        id: id.clone(),
-                        pid,
-                        exit_status: status,
-                        exited_at: Some(timestamp(exit.at)).into(),
-                        ..Default::default()
-                    }),
-                )
-                .await;
-        });
+            inner.pod_agent_and_socket()?.0
+        };
+        let cid = id.to_string();
+        if paused {
+            agent_call(format!("pausing container {id}"), move || {
+                agent.pause_container(&cid)
+            })
+            .await?;
+        } else {
+            agent_call(format!("resuming container {id}"), move || {
+                agent.resume_container(&cid)
+            })
+            .await?;
+        }
+        let mut inner = self.inner.lock().await;
+        if let Some(c) = inner.containers.get_mut(id) {
+            if c.phase != Phase::Stopped {
+                c.phase = if paused {
+                    Phase::Paused
+                } else {
+                    Phase::Running
+                };
+            }
+        }
+        Ok(())
     }
 
     async fn exit_of(&self, id: &str) -> TtrpcResult<watch::Receiver<Option<VmExit>>> {
@@ -451,7 +552,7 @@ const CONSOLE_TAIL_LINES: usize = 20;
 
 /// Runs one (blocking) agent call off the async runtime; its failure becomes a status naming
 /// `what` was being done.
-async fn agent_call<T, F>(what: String, call: F) -> TtrpcResult<T>
+pub(crate) async fn agent_call<T, F>(what: String, call: F) -> TtrpcResult<T>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T, crate::agent_client::AgentError> + Send + 'static,
@@ -462,22 +563,23 @@ where
         .map_err(|e| status(Code::UNKNOWN, format!("microvm: {what}: {e}")))
 }
 
+/// How long CloseIO lets the stdin copy deliver what containerd wrote.
+const STDIN_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// "container X" or "exec E of container X", for errors.
+fn process_name(id: &str, exec_id: &str) -> String {
+    if exec_id.is_empty() {
+        format!("container {id}")
+    } else {
+        format!("exec {exec_id} of container {id}")
+    }
+}
+
 fn not_found(id: &str) -> ttrpc::Error {
     status(
         Code::NOT_FOUND,
         format!("microvm: container {id} not found"),
     )
-}
-
-fn no_exec(exec_id: &str) -> TtrpcResult<()> {
-    if exec_id.is_empty() {
-        Ok(())
-    } else {
-        Err(status(
-            Code::NOT_FOUND,
-            format!("microvm: exec {exec_id} not found"),
-        ))
-    }
 }
 
 async fn wait_exit(mut rx: watch::Receiver<Option<VmExit>>) -> VmExit {
@@ -548,7 +650,13 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::StartRequest,
     ) -> TtrpcResult<api::StartResponse> {
-        no_exec(&req.exec_id)?;
+        if !req.exec_id.is_empty() {
+            let pid = self.exec_start(&req.id, &req.exec_id).await?;
+            return Ok(api::StartResponse {
+                pid,
+                ..Default::default()
+            });
+        }
         let is_app = {
             let inner = self.inner.lock().await;
             let c = inner
@@ -564,7 +672,15 @@ impl Task for TaskService {
                 a.start_container(&id)
             })
             .await?;
-            self.spawn_app_waiter(req.id.clone(), pid, agent);
+            let outputs = {
+                let mut inner = self.inner.lock().await;
+                inner
+                    .containers
+                    .get_mut(&req.id)
+                    .map(|c| std::mem::take(&mut c.outputs))
+                    .unwrap_or_default()
+            };
+            self.spawn_process_waiter(req.id.clone(), String::new(), pid, agent, outputs);
         }
         let pid = {
             let mut inner = self.inner.lock().await;
@@ -574,7 +690,7 @@ impl Task for TaskService {
                 .ok_or_else(|| not_found(&req.id))?;
             match c.phase {
                 Phase::Created => c.phase = Phase::Running,
-                Phase::Running => {}
+                Phase::Running | Phase::Paused => {}
                 Phase::Stopped => {
                     return Err(status(
                         Code::FAILED_PRECONDITION,
@@ -604,7 +720,9 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::StateRequest,
     ) -> TtrpcResult<api::StateResponse> {
-        no_exec(&req.exec_id)?;
+        if !req.exec_id.is_empty() {
+            return self.exec_state(&req).await;
+        }
         let inner = self.inner.lock().await;
         let c = inner
             .containers
@@ -614,6 +732,7 @@ impl Task for TaskService {
             id: req.id.clone(),
             bundle: c.bundle.clone(),
             pid: c.pid,
+            stdin: c.stdin_fifo.clone(),
             ..Default::default()
         };
         let exit = *c.exit.borrow();
@@ -625,13 +744,17 @@ impl Task for TaskService {
             }
             (Phase::Created, None) => resp.set_status(api::Status::CREATED),
             (Phase::Running, None) => resp.set_status(api::Status::RUNNING),
+            (Phase::Paused, None) => resp.set_status(api::Status::PAUSED),
             (Phase::Stopped, None) => resp.set_status(api::Status::STOPPED),
         }
         Ok(resp)
     }
 
     async fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
-        no_exec(&req.exec_id)?;
+        if !req.exec_id.is_empty() {
+            self.exec_kill(&req).await?;
+            return Ok(api::Empty::new());
+        }
         let inner = self.inner.lock().await;
         let c = inner
             .containers
@@ -673,8 +796,12 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::WaitRequest,
     ) -> TtrpcResult<api::WaitResponse> {
-        no_exec(&req.exec_id)?;
-        let exit = wait_exit(self.exit_of(&req.id).await?).await;
+        let rx = if req.exec_id.is_empty() {
+            self.exit_of(&req.id).await?
+        } else {
+            self.exec_exit(&req.id, &req.exec_id).await?
+        };
+        let exit = wait_exit(rx).await;
         Ok(api::WaitResponse {
             exit_status: exit.status,
             exited_at: Some(timestamp(exit.at)).into(),
@@ -687,7 +814,9 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::DeleteRequest,
     ) -> TtrpcResult<api::DeleteResponse> {
-        no_exec(&req.exec_id)?;
+        if !req.exec_id.is_empty() {
+            return self.exec_delete(&req).await;
+        }
         let (container, pod) = {
             let mut inner = self.inner.lock().await;
             let c = inner
@@ -701,6 +830,11 @@ impl Task for TaskService {
             };
             (c, pod)
         };
+        // Stdin copies still waiting for containerd to open a FIFO end now.
+        stdio::release_stdin_fifo(&container.stdin_fifo);
+        for e in container.execs.values() {
+            stdio::release_stdin_fifo(&e.fifos.stdin);
+        }
         let exit = if let Some(pod) = pod {
             // A sandbox deleted while its VM runs (e.g. a failed RunPodSandbox): stop it first.
             if pod.vm.exited().borrow().is_none() {
@@ -763,18 +897,209 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::PidsRequest,
     ) -> TtrpcResult<api::PidsResponse> {
-        let inner = self.inner.lock().await;
-        let c = inner
-            .containers
-            .get(&req.id)
-            .ok_or_else(|| not_found(&req.id))?;
+        let (pid, agent) = {
+            let inner = self.inner.lock().await;
+            let c = inner
+                .containers
+                .get(&req.id)
+                .ok_or_else(|| not_found(&req.id))?;
+            let agent = match c.app_exit {
+                Some(_) => Some(inner.pod_agent_and_socket()?.0),
+                None => None,
+            };
+            (c.pid, agent)
+        };
+        // The sandbox's process is the shim, which runs the VM; an app container's are the
+        // guest pids in its cgroup.
+        let pids = match agent {
+            None => vec![pid],
+            Some(agent) => {
+                let id = req.id.clone();
+                agent_call(
+                    format!("listing the pids of container {}", req.id),
+                    move || agent.list_pids(&id),
+                )
+                .await?
+            }
+        };
         Ok(api::PidsResponse {
-            processes: vec![containerd_shim_protos::types::task::ProcessInfo {
-                pid: c.pid,
-                ..Default::default()
-            }],
+            processes: pids
+                .into_iter()
+                .map(|pid| containerd_shim_protos::types::task::ProcessInfo {
+                    pid,
+                    ..Default::default()
+                })
+                .collect(),
             ..Default::default()
         })
+    }
+
+    async fn exec(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ExecProcessRequest,
+    ) -> TtrpcResult<api::Empty> {
+        self.exec_add(&req).await?;
+        Ok(api::Empty::new())
+    }
+
+    async fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtrpcResult<api::Empty> {
+        let agent = {
+            let inner = self.inner.lock().await;
+            if req.exec_id.is_empty() {
+                inner.app(&req.id)?;
+            } else {
+                inner.exec(&req.id, &req.exec_id)?;
+            }
+            inner.pod_agent_and_socket()?.0
+        };
+        let (id, eid, w, h) = (req.id.clone(), req.exec_id.clone(), req.width, req.height);
+        agent_call(
+            format!(
+                "resizing the terminal of {}",
+                process_name(&req.id, &req.exec_id)
+            ),
+            move || agent.resize_pty(&id, &eid, w, h),
+        )
+        .await?;
+        Ok(api::Empty::new())
+    }
+
+    async fn close_io(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::CloseIORequest,
+    ) -> TtrpcResult<api::Empty> {
+        if !req.stdin {
+            return Ok(api::Empty::new());
+        }
+        let (copy, agent) = {
+            let mut inner = self.inner.lock().await;
+            if req.exec_id.is_empty() {
+                inner.app(&req.id)?;
+            } else {
+                inner.exec(&req.id, &req.exec_id)?;
+            }
+            let agent = inner.pod_agent_and_socket()?.0;
+            let c = inner
+                .containers
+                .get_mut(&req.id)
+                .ok_or_else(|| not_found(&req.id))?;
+            let copy = if req.exec_id.is_empty() {
+                c.stdin.take()
+            } else {
+                c.execs.get_mut(&req.exec_id).and_then(|e| e.stdin.take())
+            };
+            (copy, agent)
+        };
+        let (id, eid) = (req.id.clone(), req.exec_id.clone());
+        agent_call(
+            format!(
+                "closing the stdin of {}",
+                process_name(&req.id, &req.exec_id)
+            ),
+            move || {
+                // What containerd already wrote goes through first: the copy reads the FIFO
+                // until it is empty, then shuts the stream (the process sees EOF after the last
+                // byte). Only a copy that does not end in time is cut in the agent.
+                if let Some(copy) = copy {
+                    if copy.close(STDIN_DRAIN) {
+                        return Ok(());
+                    }
+                    log::warn!("stdin of {id} {eid:?}: copy still busy after {STDIN_DRAIN:?}");
+                }
+                agent.close_stdin(&id, &eid)
+            },
+        )
+        .await?;
+        Ok(api::Empty::new())
+    }
+
+    async fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
+        let agent = {
+            let inner = self.inner.lock().await;
+            inner.app(&req.id)?;
+            inner.pod_agent_and_socket()?.0
+        };
+        let id = req.id.clone();
+        let stats = agent_call(
+            format!("reading the stats of container {}", req.id),
+            move || agent.stats(&id),
+        )
+        .await?;
+        let any = crate::task::metrics::metrics_any(&stats)
+            .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
+        Ok(api::StatsResponse {
+            stats: Some(any).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn update(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::UpdateTaskRequest,
+    ) -> TtrpcResult<api::Empty> {
+        let agent = {
+            let inner = self.inner.lock().await;
+            inner.app(&req.id)?;
+            inner.pod_agent_and_socket()?.0
+        };
+        let resources = req
+            .resources
+            .as_ref()
+            .map(|any| any.value.clone())
+            .ok_or_else(|| {
+                status(
+                    Code::INVALID_ARGUMENT,
+                    format!("microvm: update of {} without resources", req.id),
+                )
+            })?;
+        let id = req.id.clone();
+        agent_call(
+            format!("updating the resources of container {}", req.id),
+            move || agent.update_container(&id, resources),
+        )
+        .await?;
+        Ok(api::Empty::new())
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<api::Empty> {
+        self.set_paused(&req.id, true).await?;
+        self.publish(
+            topics::TASK_PAUSED_EVENT_TOPIC,
+            Box::new(TaskPaused {
+                container_id: req.id.clone(),
+                ..Default::default()
+            }),
+        )
+        .await;
+        Ok(api::Empty::new())
+    }
+
+    async fn resume(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResumeRequest,
+    ) -> TtrpcResult<api::Empty> {
+        self.set_paused(&req.id, false).await?;
+        self.publish(
+            topics::TASK_RESUMED_EVENT_TOPIC,
+            Box::new(TaskResumed {
+                container_id: req.id.clone(),
+                ..Default::default()
+            }),
+        )
+        .await;
+        Ok(api::Empty::new())
     }
 
     async fn connect(

@@ -1,0 +1,94 @@
+//! An app container's cgroup v2 figures from the agent, as containerd expects them from a
+//! shim's Stats: an `Any` holding `io.containerd.cgroups.v2.Metrics` (what runc's shim sends on
+//! a cgroup v2 host), which containerd's CRI turns into ContainerStats (`crictl stats`).
+
+use agent_protocol::agent::StatsResponse;
+use containerd_shim_protos::cgroups_v2::metrics::{
+    CPUStat, MemoryEvents, MemoryStat, Metrics, PidsStat,
+};
+use containerd_shim_protos::protobuf::well_known_types::any::Any;
+use containerd_shim_protos::protobuf::Message;
+
+/// The Any's type URL: the message's full protobuf name, as containerd's typeurl registers it.
+pub const METRICS_TYPE_URL: &str = "io.containerd.cgroups.v2.Metrics";
+
+/// The agent's figures as cgroup v2 metrics (absent controllers stay 0).
+pub fn metrics_from_stats(stats: &StatsResponse) -> Metrics {
+    Metrics {
+        pids: Some(PidsStat {
+            current: stats.pids_current,
+            ..Default::default()
+        })
+        .into(),
+        cpu: Some(CPUStat {
+            usage_usec: stats.cpu_usage_usec,
+            user_usec: stats.cpu_user_usec,
+            system_usec: stats.cpu_system_usec,
+            ..Default::default()
+        })
+        .into(),
+        memory: Some(MemoryStat {
+            usage: stats.memory_usage_bytes,
+            // cgroup v2 says "max" for no limit; containerd reads the largest value as such.
+            usage_limit: if stats.memory_limit_bytes == 0 {
+                u64::MAX
+            } else {
+                stats.memory_limit_bytes
+            },
+            ..Default::default()
+        })
+        .into(),
+        memory_events: Some(MemoryEvents {
+            oom_kill: stats.oom_kills,
+            ..Default::default()
+        })
+        .into(),
+        ..Default::default()
+    }
+}
+
+/// The metrics wrapped for a StatsResponse.
+pub fn metrics_any(stats: &StatsResponse) -> Result<Any, String> {
+    let value = metrics_from_stats(stats)
+        .write_to_bytes()
+        .map_err(|e| format!("encoding cgroup metrics: {e}"))?;
+    Ok(Any {
+        type_url: METRICS_TYPE_URL.to_string(),
+        value,
+        ..Default::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use containerd_shim_protos::protobuf::MessageFull;
+
+    #[test]
+    fn round_trips_as_cgroup_v2_metrics() {
+        let stats = StatsResponse {
+            cpu_usage_usec: 1500,
+            cpu_user_usec: 1000,
+            cpu_system_usec: 500,
+            memory_usage_bytes: 4 << 20,
+            memory_limit_bytes: 0,
+            pids_current: 3,
+            oom_kills: 1,
+            ..Default::default()
+        };
+        let any = metrics_any(&stats).unwrap();
+        assert_eq!(any.type_url, "io.containerd.cgroups.v2.Metrics");
+        let back = Metrics::parse_from_bytes(&any.value).unwrap();
+        assert_eq!(back.memory.usage, 4 << 20);
+        assert_eq!(back.memory.usage_limit, u64::MAX);
+        assert_eq!(back.cpu.usage_usec, 1500);
+        assert_eq!(back.pids.current, 3);
+        assert_eq!(back.memory_events.oom_kill, 1);
+        // The name containerd's typeurl uses is the message's own full name.
+        assert_eq!(
+            Metrics::descriptor().full_name(),
+            METRICS_TYPE_URL,
+            "type URL"
+        );
+    }
+}

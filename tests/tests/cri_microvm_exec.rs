@@ -1,0 +1,565 @@
+//! Processes in a microvm pod's app containers through containerd (CRI and `ctr`), under the
+//! QEMU backend with our guest kernel and initrd from build/: ExecSync (guest kernel, exit
+//! codes, a missing binary), an interactive exec on a terminal with resizes, stdin piped
+//! through and closed, ContainerStats from the guest's cgroup, Pause/Resume. Needs what
+//! tests/tests/cri_microvm.rs needs (root, Debian's containerd and ctr, QEMU,
+//! vhost-device-vsock, `make kernel initrd`).
+//!
+//! After each test the pod is stopped and removed, and nothing of it may remain.
+
+use microvm_tests::containerd::{ContainerdOptions, PrivateContainerd};
+use microvm_tests::cri::{container_config, CriClient, Pod};
+use microvm_tests::images::{BUSYBOX_IMAGE, PAUSE_IMAGE};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+const STATE_ROOT: &str = "/run/microvm";
+const SHIM: &str = "containerd-shim-microvm-v1";
+const CTR_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The tests of this file share /run/microvm; they run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+// ---- setup, as in cri_microvm.rs ----
+
+fn require_root() {
+    // SAFETY: geteuid(2) has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "the containerd tests need root");
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// The folder with an up-to-date shim binary of this build's profile, built as `make build`
+/// does into the target folder this test runs from.
+fn shim_bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+    let target = profile_dir.parent().unwrap();
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "--workspace", "--bins"])
+        .env("CARGO_TARGET_DIR", target)
+        .current_dir(repo());
+    if release {
+        cmd.arg("--release");
+    }
+    let status = cmd.status().expect("running cargo build for the shim");
+    assert!(status.success(), "building {SHIM} failed");
+    assert!(profile_dir.join(SHIM).exists());
+    profile_dir
+}
+
+/// A shim config for the QEMU backend with our kernel and initrd.
+fn write_config(dir: &Path) -> PathBuf {
+    let build = repo().join("build");
+    for f in [build.join("vmlinux"), build.join("initrd.cpio")] {
+        assert!(
+            f.exists(),
+            "{} missing: run `make kernel initrd`",
+            f.display()
+        );
+    }
+    let path = dir.join("microvm.toml");
+    let log_level = std::env::var("MICROVM_TEST_LOG_LEVEL").unwrap_or_else(|_| "info".into());
+    std::fs::write(
+        &path,
+        format!(
+            "hypervisor = \"qemu\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n",
+            build.join("vmlinux").display(),
+            build.join("initrd.cpio").display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+async fn start(config: &Path) -> (PrivateContainerd, CriClient) {
+    require_root();
+    let ctrd = PrivateContainerd::start(ContainerdOptions {
+        extra_path: vec![shim_bin_dir()],
+        microvm_config: Some(config.to_path_buf()),
+        ..ContainerdOptions::default()
+    })
+    .unwrap_or_else(|e| panic!("starting the private containerd: {e}"));
+    let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    (ctrd, cri)
+}
+
+/// Processes whose command line mentions `needle` (other than this one).
+fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
+    let own = std::process::id() as i32;
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != own)
+        .filter_map(|pid| {
+            let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let c = String::from_utf8_lossy(&c).replace('\0', " ");
+            c.contains(needle).then_some((pid, c))
+        })
+        .collect()
+}
+
+/// Waits (bounded) until nothing of pod `id` remains: processes, state directory, mounts,
+/// shim socket, cgroups.
+fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
+    let state = Path::new(STATE_ROOT).join(id);
+    let socket = ctrd.shim_socket(id);
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut left = Vec::new();
+        for (pid, cmd) in processes_mentioning(&state.display().to_string()) {
+            left.push(format!("VM process {pid}: {cmd}"));
+        }
+        for p in ctrd.leftover_processes() {
+            left.push(format!("process {p:?}"));
+        }
+        if state.exists() {
+            left.push(format!("state directory {}", state.display()));
+        }
+        for m in microvm_tests::containerd::mounts_under(&state) {
+            left.push(format!("mount {}", m.display()));
+        }
+        if socket.exists() {
+            left.push(format!("shim socket {}", socket.display()));
+        }
+        for c in ctrd.leftover_cgroups() {
+            left.push(format!("cgroup {}", c.display()));
+        }
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left after {timeout:?}:\n{}\ncontainerd log:\n{}",
+            left.join("\n"),
+            ctrd.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A pod named `name` with one running busybox container (`sleep`); returns both.
+async fn pod_with_sleeper(ctrd: &PrivateContainerd, cri: &CriClient, name: &str) -> (Pod, String) {
+    let pod = cri
+        .run_pod_sandbox(ctrd.pod_config(name, HashMap::new()).unwrap(), "microvm")
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let id = cri
+        .create_container(
+            &pod,
+            container_config("sleeper", BUSYBOX_IMAGE, &["sleep", "3600"]),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.start_container(&id)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    (pod, id)
+}
+
+/// Stops and removes the pod (its running container with it) and checks nothing is left.
+async fn remove_pod(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod) {
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    assert_pod_gone(ctrd, &pod.id, Duration::from_secs(20));
+}
+
+/// `ctr -a <sock> -n k8s.io ARGS` with the given stdio, not waited for.
+fn spawn_ctr(ctrd: &PrivateContainerd, args: &[&str], stdio: [Stdio; 3]) -> Child {
+    let [stdin, stdout, stderr] = stdio;
+    Command::new("ctr")
+        .arg("-a")
+        .arg(ctrd.socket())
+        .args(["-n", microvm_tests::containerd::CRI_NAMESPACE])
+        .args(args)
+        .stdin(stdin)
+        .stdout(stdout)
+        .stderr(stderr)
+        .spawn()
+        .expect("spawning ctr")
+}
+
+/// Waits for `child` at most `timeout`; kills it after that. Returns its exit code.
+fn wait_bounded(child: &mut Child, timeout: Duration) -> Option<i32> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status.code();
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The release of the guest kernel build/vmlinux points at (`release` next to it).
+fn guest_kernel_release() -> String {
+    let vmlinux = std::fs::canonicalize(repo().join("build/vmlinux")).unwrap();
+    let release = vmlinux.parent().unwrap().join("release");
+    std::fs::read_to_string(&release)
+        .unwrap_or_else(|e| panic!("{}: {e}", release.display()))
+        .trim()
+        .to_string()
+}
+
+fn host_kernel_release() -> String {
+    let out = Command::new("uname").arg("-r").output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+// ---- tests ----
+
+/// ExecSync runs in the guest (our kernel, not the host's), reports exact exit codes (n and
+/// 128+signal), and a missing binary fails promptly with an error naming it; the container
+/// keeps running throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_sync_runs_in_the_guest_with_exact_exit_codes() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-sync").await;
+
+    let t = Instant::now();
+    let out = cri
+        .exec_sync(&cid, &["uname", "-r"], 60)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let took = t.elapsed();
+    let guest = guest_kernel_release();
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    assert_eq!(out.stdout.trim(), guest, "{out:?}");
+    assert_ne!(out.stdout.trim(), host_kernel_release(), "ran on the host");
+    eprintln!("ExecSync uname -r: {:?} in {took:?}", out.stdout.trim());
+
+    let out = cri
+        .exec_sync(&cid, &["sh", "-c", "echo out; echo err >&2; exit 7"], 60)
+        .await
+        .unwrap();
+    assert_eq!(
+        (out.exit_code, out.stdout.as_str(), out.stderr.as_str()),
+        (7, "out\n", "err\n"),
+        "{out:?}"
+    );
+    let out = cri
+        .exec_sync(&cid, &["sh", "-c", "kill -9 $$"], 60)
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 137, "SIGKILL is 128+9: {out:?}");
+
+    let t = Instant::now();
+    let err = cri
+        .exec_sync(&cid, &["/no/such/binary", "arg"], 60)
+        .await
+        .expect_err("ExecSync of a missing binary must fail")
+        .to_string();
+    let took = t.elapsed();
+    assert!(err.contains("/no/such/binary"), "{err}");
+    assert!(took < Duration::from_secs(15), "took {took:?}: {err}");
+    eprintln!("missing binary: ExecSync failed in {took:?}: {err}");
+
+    // The container still runs and still execs.
+    let out = cri.exec_sync(&cid, &["echo", "alive"], 60).await.unwrap();
+    assert_eq!((out.exit_code, out.stdout.as_str()), (0, "alive\n"));
+    let status = cri.container_status(&cid).await.unwrap();
+    assert_eq!(status.state, 1, "CONTAINER_RUNNING: {status:?}");
+
+    remove_pod(&ctrd, &cri, &pod).await;
+}
+
+/// A pty pair (master, slave).
+fn openpty() -> (OwnedFd, OwnedFd) {
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty(3) writes two fds into the given ints; name, termios and winsize may be
+    // null.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: openpty returned two fresh fds that nothing else owns.
+    unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) }
+}
+
+fn set_window_size(master: &OwnedFd, rows: u16, cols: u16) {
+    let size = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads a winsize from a pointer valid for the call.
+    let rc = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &size) };
+    assert_eq!(rc, 0, "TIOCSWINSZ: {}", std::io::Error::last_os_error());
+}
+
+/// Reads the pty master until `want` shows up in what was read (bounded); returns all read.
+fn read_until(master: &mut std::fs::File, seen: &mut String, want: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    let mut buf = [0u8; 4096];
+    while !seen.contains(want) {
+        assert!(
+            Instant::now() < deadline,
+            "no {want:?} on the terminal within {timeout:?}; it shows:\n{seen}"
+        );
+        let mut pfd = libc::pollfd {
+            fd: master.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one pollfd that lives across the call.
+        let ready = unsafe { libc::poll(&mut pfd, 1, 200) };
+        if ready <= 0 {
+            continue;
+        }
+        match master.read(&mut buf) {
+            Ok(0) => panic!("the terminal closed before {want:?}; it shows:\n{seen}"),
+            Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n]).replace('\r', "")),
+            Err(e) => panic!("reading the terminal: {e}; it shows:\n{seen}"),
+        }
+    }
+}
+
+/// `ctr task exec -t` of `sh` on a terminal we hold: the exec's pty has the window size of ours
+/// (`stty size` inside says so), follows a resize, and `exit 3` ends ctr with 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interactive_exec_on_a_tty_follows_resizes() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-tty").await;
+
+    let (master, slave) = openpty();
+    set_window_size(&master, 31, 101);
+    let stdio = || Stdio::from(slave.try_clone().unwrap());
+    let mut cmd = Command::new("ctr");
+    cmd.arg("-a")
+        .arg(ctrd.socket())
+        .args(["-n", microvm_tests::containerd::CRI_NAMESPACE])
+        .args(["task", "exec", "-t", "--exec-id", "tty1", &cid, "sh"])
+        .stdin(stdio())
+        .stdout(stdio())
+        .stderr(stdio());
+    // SAFETY: between fork and exec only async-signal-safe calls: setsid(2) makes ctr a session
+    // leader so that the terminal (its stdin) becomes its controlling terminal (TIOCSCTTY), and
+    // the resizes below reach it as SIGWINCH.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut ctr = cmd.spawn().expect("spawning ctr task exec -t");
+    drop(slave);
+    let mut term = std::fs::File::from(master.try_clone().unwrap());
+    let mut seen = String::new();
+
+    term.write_all(b"stty size; echo mark-$((40+2))\n").unwrap();
+    read_until(&mut term, &mut seen, "mark-42", Duration::from_secs(60));
+    assert!(
+        seen.lines().any(|l| l.trim() == "31 101"),
+        "stty size inside is not 31 101:\n{seen}"
+    );
+
+    set_window_size(&master, 45, 132);
+    // ctr resizes the exec's pty on SIGWINCH (the kernel sends it to ctr's session); give it a
+    // moment, then ask again.
+    std::thread::sleep(Duration::from_millis(500));
+    seen.clear();
+    term.write_all(b"stty size; echo mark-$((50+3))\n").unwrap();
+    read_until(&mut term, &mut seen, "mark-53", Duration::from_secs(30));
+    assert!(
+        seen.lines().any(|l| l.trim() == "45 132"),
+        "stty size after the resize is not 45 132:\n{seen}"
+    );
+
+    term.write_all(b"exit 3\n").unwrap();
+    // The terminal must be drained while ctr exits (a full pty would block it).
+    let drain = std::thread::spawn(move || {
+        let mut sink = Vec::new();
+        let _ = term.read_to_end(&mut sink);
+    });
+    let code = wait_bounded(&mut ctr, CTR_TIMEOUT);
+    assert_eq!(code, Some(3), "ctr task exec -t of sh ending with `exit 3`");
+    drop(master);
+    let _ = drain.join();
+
+    // The container is unaffected.
+    let status = cri.container_status(&cid).await.unwrap();
+    assert_eq!(status.state, 1, "CONTAINER_RUNNING: {status:?}");
+    remove_pod(&ctrd, &cri, &pod).await;
+}
+
+/// `ctr task exec` (no terminal) of `cat` with stdin from a pipe: every byte comes back on
+/// stdout, and the exec exits 0 once the pipe is closed (stdin EOF reached the process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_stdin_is_piped_through_and_closed() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-stdin").await;
+
+    // More than one pipe buffer (64 KiB) and not a multiple of any chunk size.
+    let payload: Vec<u8> = (0..150_001u32)
+        .map(|i| b"microvm stdin\n"[(i % 14) as usize])
+        .collect();
+    let mut ctr = spawn_ctr(
+        &ctrd,
+        &["task", "exec", "--exec-id", "cat1", &cid, "cat"],
+        [Stdio::piped(), Stdio::piped(), Stdio::piped()],
+    );
+    let mut stdin = ctr.stdin.take().unwrap();
+    let mut stdout = ctr.stdout.take().unwrap();
+    let mut stderr = ctr.stderr.take().unwrap();
+    let input = payload.clone();
+    let writer = std::thread::spawn(move || stdin.write_all(&input).map(|()| drop(stdin)));
+    let reader = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        stdout.read_to_end(&mut out).map(|_| out)
+    });
+    let errors = std::thread::spawn(move || {
+        let mut out = String::new();
+        let _ = stderr.read_to_string(&mut out);
+        out
+    });
+    let t = Instant::now();
+    let code = wait_bounded(&mut ctr, CTR_TIMEOUT);
+    let took = t.elapsed();
+    let stderr = errors.join().unwrap();
+    writer.join().unwrap().expect("writing ctr's stdin");
+    let out = reader.join().unwrap().expect("reading ctr's stdout");
+    assert_eq!(
+        code,
+        Some(0),
+        "ctr task exec cat: stderr {stderr}\ncontainerd log:\n{}",
+        ctrd.log_tail()
+    );
+    assert_eq!(out.len(), payload.len(), "bytes back from cat");
+    assert!(out == payload, "cat's output differs from its input");
+    eprintln!("stdin through cat: {} bytes in {took:?}", out.len());
+
+    remove_pod(&ctrd, &cri, &pod).await;
+}
+
+/// ContainerStats (CRI) of a running container: its memory and CPU from the guest's cgroup;
+/// `ctr task pause` freezes it (PAUSED), `ctr task resume` thaws it (RUNNING) and it still
+/// execs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn container_stats_and_pause_resume() {
+    use microvm_tests::cri::v1::runtime_service_client::RuntimeServiceClient;
+    use microvm_tests::cri::v1::ContainerStatsRequest;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-stats").await;
+    // Some memory and CPU in the container's cgroup.
+    let out = cri
+        .exec_sync(
+            &cid,
+            &[
+                "sh",
+                "-c",
+                "i=0; while [ $i -lt 2000 ]; do i=$((i+1)); done",
+            ],
+            60,
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 0, "{out:?}");
+
+    let path = ctrd.socket().to_path_buf();
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .unwrap();
+    let mut runtime = RuntimeServiceClient::new(channel);
+    let stats = tokio::time::timeout(
+        CALL_TIMEOUT,
+        runtime.container_stats(ContainerStatsRequest {
+            container_id: cid.clone(),
+        }),
+    )
+    .await
+    .expect("ContainerStats in time")
+    .unwrap_or_else(|e| panic!("ContainerStats: {e}\ncontainerd log:\n{}", ctrd.log_tail()))
+    .into_inner()
+    .stats
+    .expect("stats");
+    let memory = stats
+        .memory
+        .as_ref()
+        .and_then(|m| m.working_set_bytes.as_ref())
+        .map(|v| v.value)
+        .unwrap_or(0);
+    let cpu = stats
+        .cpu
+        .as_ref()
+        .and_then(|c| c.usage_core_nano_seconds.as_ref())
+        .map(|v| v.value)
+        .unwrap_or(0);
+    eprintln!("ContainerStats: working set {memory} bytes, cpu {cpu} ns");
+    assert!(memory > 0, "no memory in ContainerStats: {stats:?}");
+    assert!(cpu > 0, "no CPU time in ContainerStats: {stats:?}");
+
+    let task_status = |ctrd: &PrivateContainerd| {
+        let out = ctrd.ctr(&["task", "ls"], CTR_TIMEOUT).unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.lines()
+            .find(|l| l.starts_with(cid.as_str()))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .unwrap_or("?")
+            .to_string()
+    };
+    let out = ctrd.ctr(&["task", "pause", &cid], CTR_TIMEOUT).unwrap();
+    assert!(
+        out.status.success(),
+        "pause: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(task_status(&ctrd), "PAUSED");
+    let out = ctrd.ctr(&["task", "resume", &cid], CTR_TIMEOUT).unwrap();
+    assert!(
+        out.status.success(),
+        "resume: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(task_status(&ctrd), "RUNNING");
+    let out = cri.exec_sync(&cid, &["echo", "thawed"], 60).await.unwrap();
+    assert_eq!((out.exit_code, out.stdout.as_str()), (0, "thawed\n"));
+
+    remove_pod(&ctrd, &cri, &pod).await;
+}
