@@ -269,6 +269,14 @@ fn vmm_boot_bench() -> Result<()> {
     Ok(())
 }
 
+/// An error of a step, followed by the last lines of containerd's log (where the shim logs).
+fn with_log(ctrd: &PrivateContainerd, what: &str, e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{what}: {e}\n--- the last lines of containerd's log ---\n{}",
+        ctrd.log_tail()
+    )
+}
+
 /// Idle memory target of the issue, per pod.
 const IDLE_MEMORY_TARGET_MIB: f64 = 64.0;
 /// Lifecycle target of the issue: ours / runc.
@@ -335,10 +343,10 @@ async fn pod_bench() -> Result<()> {
     .context("starting the private containerd")?;
     let cri = CriClient::connect(ctrd.socket(), Duration::from_secs(120))
         .await
-        .with_context(|| format!("CRI; containerd log:\n{}", ctrd.log_tail()))?;
+        .map_err(|e| with_log(&ctrd, "CRI", e))?;
     cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
         .await
-        .with_context(|| format!("CRI not ready; containerd log:\n{}", ctrd.log_tail()))?;
+        .map_err(|e| with_log(&ctrd, "CRI not ready", e))?;
 
     let opts = LifecycleOptions {
         idle_memory_after: Some(Duration::from_secs(1)),
@@ -350,9 +358,7 @@ async fn pod_bench() -> Result<()> {
         async move {
             let outcome = timed_pod_lifecycle_with(ctrd, cri, handler, &name, HashMap::new(), opts)
                 .await
-                .with_context(|| {
-                    format!("{handler} pod {name}; containerd log:\n{}", ctrd.log_tail())
-                })?;
+                .map_err(|e| with_log(ctrd, &format!("{handler} pod {name}"), e))?;
             let left = wait_pod_gone(
                 ctrd,
                 &outcome.pod_id,

@@ -42,6 +42,14 @@ fn step(n: usize, title: &str) {
     println!("\n== Step {n}/{STEPS}: {title}");
 }
 
+/// An error of a step, followed by the last lines of containerd's log (where the shim logs).
+fn with_log(ctrd: &PrivateContainerd, what: &str, e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{what}: {e}\n--- the last lines of containerd's log ---\n{}",
+        ctrd.log_tail()
+    )
+}
+
 fn secs(d: Duration) -> String {
     format!("{:.2}s", d.as_secs_f64())
 }
@@ -141,10 +149,10 @@ async fn run() -> Result<()> {
     .context("starting the private containerd")?;
     let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)
         .await
-        .with_context(|| format!("connecting to CRI; containerd log:\n{}", ctrd.log_tail()))?;
+        .map_err(|e| with_log(&ctrd, "connecting to CRI", e))?;
     cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
         .await
-        .with_context(|| format!("CRI not ready; containerd log:\n{}", ctrd.log_tail()))?;
+        .map_err(|e| with_log(&ctrd, "CRI not ready", e))?;
     println!("   containerd:  {}", ctrd.socket().display());
     println!(
         "   directory:   {} (root, state, config.toml, CNI bridge {} on {})",
@@ -174,7 +182,7 @@ async fn run() -> Result<()> {
     let pod = cri
         .run_pod_sandbox(ctrd.pod_config("demo", HashMap::new())?, "microvm")
         .await
-        .with_context(|| format!("RunPodSandbox; containerd log:\n{}", ctrd.log_tail()))?;
+        .map_err(|e| with_log(&ctrd, "the pod did not start", e))?;
     println!("   pod {} ready in {}", pod.id, secs(t.elapsed()));
     let netns = cri.pod_netns_path(&pod.id).await?;
     let processes = pod_processes(&ctrd, &pod.id);
@@ -201,14 +209,14 @@ async fn run() -> Result<()> {
             container_config("hello", BUSYBOX_IMAGE, &["sh", "-c", &script]),
         )
         .await
-        .with_context(|| format!("CreateContainer; containerd log:\n{}", ctrd.log_tail()))?;
+        .map_err(|e| with_log(&ctrd, "the container was not created", e))?;
     cri.start_container(&id)
         .await
-        .with_context(|| format!("StartContainer; containerd log:\n{}", ctrd.log_tail()))?;
+        .map_err(|e| with_log(&ctrd, "the container did not start", e))?;
     let status = cri
         .wait_container_exited(&id, Duration::from_secs(120))
         .await
-        .with_context(|| format!("waiting for the container; log:\n{}", ctrd.log_tail()))?;
+        .map_err(|e| with_log(&ctrd, "waiting for the container", e))?;
     println!("   container {id} ran in {}", secs(t.elapsed()));
     let log_path = PathBuf::from(&status.log_path);
     let log = read_cri_log(&log_path)?;
