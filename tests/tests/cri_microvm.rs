@@ -649,7 +649,6 @@ async fn the_containers_spec_applies_inside_the_guest() {
             }),
             ..Default::default()
         }),
-        ..Default::default()
     });
     let id = cri
         .create_container(&pod, cfg)
