@@ -9,3 +9,4 @@ pub mod containerd;
 pub mod cri;
 pub mod images;
 pub mod lifecycle;
+pub mod microvm_pods;

@@ -6,199 +6,14 @@
 //! After each pod: no shim, QEMU, vhost-device-vsock or virtiofsd process, no state directory
 //! (/run/microvm/<pod-id>), no mount under it and no shim socket remain.
 
-use microvm_tests::containerd::{ContainerdOptions, PrivateContainerd};
 use microvm_tests::cri::CriClient;
-use microvm_tests::images::PAUSE_IMAGE;
+use microvm_tests::microvm_pods::*;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::{Duration, Instant};
-
-const CALL_TIMEOUT: Duration = Duration::from_secs(120);
-const STATE_ROOT: &str = "/run/microvm";
-const SHIM: &str = "containerd-shim-microvm-v1";
 
 /// The tests of this file share /run/microvm; they run one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn require_root() {
-    // SAFETY: geteuid(2) has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "the containerd tests need root");
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent")
-        .to_path_buf()
-}
-
-/// The folder holding an up-to-date shim binary of this build's profile: built with cargo
-/// (a no-op when `make build` already did) into the target folder this test runs from. It
-/// builds the workspace's binaries exactly as `make build` does: `-p shim` alone would unify
-/// features differently and rebuild half the dependency tree inside the test.
-fn shim_bin_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    // <target>/<profile>/deps/<test>
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
-    let target = profile_dir.parent().unwrap();
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.args(["build", "--workspace", "--bins"])
-        .env("CARGO_TARGET_DIR", target)
-        .current_dir(repo());
-    if release {
-        cmd.arg("--release");
-    }
-    let status = cmd.status().expect("running cargo build for the shim");
-    assert!(status.success(), "building {SHIM} failed");
-    assert!(profile_dir.join(SHIM).exists());
-    profile_dir
-}
-
-/// A shim config for the QEMU backend with our kernel and initrd (or the given kernel).
-fn write_config(dir: &Path, kernel: Option<&Path>) -> PathBuf {
-    write_config_for(dir, kernel, "qemu")
-}
-
-fn write_config_for(dir: &Path, kernel: Option<&Path>, hypervisor: &str) -> PathBuf {
-    let build = repo().join("build");
-    let default_kernel = build.join("vmlinux");
-    let kernel = kernel.unwrap_or(&default_kernel);
-    for f in [&default_kernel, &build.join("initrd.cpio")] {
-        assert!(
-            f.exists(),
-            "{} missing: run `make kernel initrd`",
-            f.display()
-        );
-    }
-    let path = dir.join("microvm.toml");
-    // MICROVM_TEST_LOG_LEVEL=debug turns on the shim's and the guest agent's debug lines.
-    let log_level = std::env::var("MICROVM_TEST_LOG_LEVEL").unwrap_or_else(|_| "info".into());
-    std::fs::write(
-        &path,
-        format!(
-            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n",
-            kernel.display(),
-            build.join("initrd.cpio").display()
-        ),
-    )
-    .unwrap();
-    path
-}
-
-async fn start(config: &Path) -> (PrivateContainerd, CriClient) {
-    require_root();
-    let ctrd = PrivateContainerd::start(ContainerdOptions {
-        extra_path: vec![shim_bin_dir()],
-        microvm_config: Some(config.to_path_buf()),
-        ..ContainerdOptions::default()
-    })
-    .unwrap_or_else(|e| panic!("starting the private containerd: {e}"));
-    let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    cri.wait_ready(&[PAUSE_IMAGE], Duration::from_secs(30))
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    (ctrd, cri)
-}
-
-/// Processes whose command line mentions `needle` (other than this one).
-fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
-    let own = std::process::id() as i32;
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid != own)
-        .filter_map(|pid| {
-            let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let c = String::from_utf8_lossy(&c).replace('\0', " ");
-            c.contains(needle).then_some((pid, c))
-        })
-        .collect()
-}
-
-/// The shim serving `pod_id` of this containerd instance.
-fn shim_pids(ctrd: &PrivateContainerd, pod_id: &str) -> Vec<i32> {
-    processes_mentioning(&ctrd.socket().display().to_string())
-        .into_iter()
-        .filter(|(_, c)| c.contains(SHIM) && c.contains(pod_id))
-        .map(|(pid, _)| pid)
-        .collect()
-}
-
-/// Waits (bounded) until nothing of pod `id` remains: processes, state directory, mounts,
-/// shim socket.
-fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
-    let state = Path::new(STATE_ROOT).join(id);
-    let socket = ctrd.shim_socket(id);
-    let deadline = Instant::now() + timeout;
-    loop {
-        let mut left = Vec::new();
-        for (pid, cmd) in processes_mentioning(&state.display().to_string()) {
-            left.push(format!("VM process {pid}: {cmd}"));
-        }
-        for p in ctrd.leftover_processes() {
-            left.push(format!("process {p:?}"));
-        }
-        if state.exists() {
-            left.push(format!("state directory {}", state.display()));
-        }
-        for m in microvm_tests::containerd::mounts_under(&state) {
-            left.push(format!("mount {}", m.display()));
-        }
-        if socket.exists() {
-            left.push(format!("shim socket {}", socket.display()));
-        }
-        for c in ctrd.leftover_cgroups() {
-            left.push(format!("cgroup {}", c.display()));
-        }
-        if left.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "left after {timeout:?}:\n{}\ncontainerd log:\n{}",
-            left.join("\n"),
-            ctrd.log_tail()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// The pod state directories under /run/microvm now.
-fn state_entries() -> Vec<PathBuf> {
-    std::fs::read_dir(STATE_ROOT)
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default()
-}
-
-/// Waits (bounded) until no process of the instance, no pod state directory that was not in
-/// `before` and no pod cgroup remains.
-fn assert_nothing_new(ctrd: &PrivateContainerd, before: &[PathBuf]) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let left = ctrd.leftover_processes();
-        let new_state: Vec<_> = state_entries()
-            .into_iter()
-            .filter(|p| !before.contains(p))
-            .collect();
-        let cgroups = ctrd.leftover_cgroups();
-        if left.is_empty() && new_state.is_empty() && cgroups.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "left: {left:?} {new_state:?} {cgroups:?}\ncontainerd log:\n{}",
-            ctrd.log_tail()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn microvm_pod_sandbox_runs_in_a_vm_and_leaves_nothing() {
@@ -208,13 +23,7 @@ async fn microvm_pod_sandbox_runs_in_a_vm_and_leaves_nothing() {
     let (ctrd, cri) = start(&config).await;
 
     let t = Instant::now();
-    let pod = cri
-        .run_pod_sandbox(
-            ctrd.pod_config("microvm-sandbox", HashMap::new()).unwrap(),
-            "microvm",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let pod = run_pod(&ctrd, &cri, "microvm-sandbox").await;
     let run = t.elapsed();
     let status = cri.pod_sandbox_status(&pod.id, false).await.unwrap();
     let state = status.status.as_ref().map(|s| s.state).unwrap_or(-1);
@@ -307,13 +116,7 @@ async fn after_kill_9_of_the_shim_containerd_cleanup_leaves_nothing_and_the_pod_
     let config = write_config(dir.path(), None);
     let (ctrd, cri) = start(&config).await;
 
-    let pod = cri
-        .run_pod_sandbox(
-            ctrd.pod_config("microvm-kill9", HashMap::new()).unwrap(),
-            "microvm",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let pod = run_pod(&ctrd, &cri, "microvm-kill9").await;
     let shims = shim_pids(&ctrd, &pod.id);
     assert_eq!(shims.len(), 1, "{shims:?}");
     // SAFETY: kill(2) on the pod's shim process found above.
@@ -321,21 +124,11 @@ async fn after_kill_9_of_the_shim_containerd_cleanup_leaves_nothing_and_the_pod_
 
     // containerd notices the dead shim and runs `<shim> delete`; stopping and removing the pod
     // through CRI must work and leave nothing.
-    cri.stop_pod_sandbox(&pod.id).await.unwrap();
-    cri.remove_pod_sandbox(&pod.id).await.unwrap();
-    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+    remove_pod(&ctrd, &cri, &pod).await;
 
     // The same pod config runs again.
-    let again = cri
-        .run_pod_sandbox(
-            ctrd.pod_config("microvm-kill9", HashMap::new()).unwrap(),
-            "microvm",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    cri.stop_pod_sandbox(&again.id).await.unwrap();
-    cri.remove_pod_sandbox(&again.id).await.unwrap();
-    assert_pod_gone(&ctrd, &again.id, Duration::from_secs(20));
+    let again = run_pod(&ctrd, &cri, "microvm-kill9").await;
+    remove_pod(&ctrd, &cri, &again).await;
 }
 
 /// `hypervisor = "kvm"` (the embedded VMM): where check-host says this host cannot boot the
@@ -382,9 +175,7 @@ async fn kvm_backend_runs_the_pod_or_fails_fast_with_check_hosts_reason() {
             let pod =
                 result.unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
             eprintln!("kvm backend: RunPodSandbox took {took:?}");
-            cri.stop_pod_sandbox(&pod.id).await.unwrap();
-            cri.remove_pod_sandbox(&pod.id).await.unwrap();
-            assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+            remove_pod(&ctrd, &cri, &pod).await;
         }
     }
 }
@@ -402,13 +193,7 @@ async fn microvm_app_container_runs_with_output_and_exit_code() {
     cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
         .await
         .unwrap();
-    let pod = cri
-        .run_pod_sandbox(
-            ctrd.pod_config("microvm-app", HashMap::new()).unwrap(),
-            "microvm",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let pod = run_pod(&ctrd, &cri, "microvm-app").await;
     let exits = cri
         .create_container(
             &pod,
@@ -431,9 +216,7 @@ async fn microvm_app_container_runs_with_output_and_exit_code() {
         "{log:?}"
     );
     cri.remove_container(&exits).await.unwrap();
-    cri.stop_pod_sandbox(&pod.id).await.unwrap();
-    cri.remove_pod_sandbox(&pod.id).await.unwrap();
-    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+    remove_pod(&ctrd, &cri, &pod).await;
 }
 
 /// A config key the shim does not know is an error, not ignored: RunPodSandbox fails naming the
@@ -557,14 +340,7 @@ async fn a_missing_entrypoint_fails_start_container_naming_it() {
     cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
         .await
         .unwrap();
-    let pod = cri
-        .run_pod_sandbox(
-            ctrd.pod_config("microvm-no-entrypoint", HashMap::new())
-                .unwrap(),
-            "microvm",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let pod = run_pod(&ctrd, &cri, "microvm-no-entrypoint").await;
     let id = cri
         .create_container(
             &pod,
@@ -586,9 +362,7 @@ async fn a_missing_entrypoint_fails_start_container_naming_it() {
     let (out, code) = run_to_exit(&cri, &pod, "after", &["echo", "still here"]).await;
     assert_eq!((out, code), (vec!["still here".to_string()], 0));
     cri.remove_container(&id).await.unwrap();
-    cri.stop_pod_sandbox(&pod.id).await.unwrap();
-    cri.remove_pod_sandbox(&pod.id).await.unwrap();
-    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+    remove_pod(&ctrd, &cri, &pod).await;
 }
 
 /// What a container's OCI spec asks for holds inside the guest: user and group, working
@@ -609,13 +383,7 @@ async fn the_containers_spec_applies_inside_the_guest() {
     cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
         .await
         .unwrap();
-    let pod = cri
-        .run_pod_sandbox(
-            ctrd.pod_config("microvm-spec", HashMap::new()).unwrap(),
-            "microvm",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let pod = run_pod(&ctrd, &cri, "microvm-spec").await;
     let script = "echo uid=$(id -u) gid=$(id -g); echo cwd=$(pwd); echo foo=$FOO; \
                   echo host=$(hostname); touch /written 2>/dev/null && echo rootfs=rw || echo rootfs=ro; \
                   grep CapBnd /proc/self/status | tr -d '\\t'; \
@@ -682,7 +450,5 @@ async fn the_containers_spec_applies_inside_the_guest() {
         assert!(out.iter().any(|l| l == line), "no {line:?} in {out:#?}");
     }
     cri.remove_container(&id).await.unwrap();
-    cri.stop_pod_sandbox(&pod.id).await.unwrap();
-    cri.remove_pod_sandbox(&pod.id).await.unwrap();
-    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(20));
+    remove_pod(&ctrd, &cri, &pod).await;
 }

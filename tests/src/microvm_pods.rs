@@ -1,0 +1,216 @@
+//! Shared set-up of the tests that run `microvm` pods through a private containerd
+//! (tests/tests/cri_microvm*.rs): the shim built as `make build` builds it, its config, the
+//! containerd with the `microvm` handler, and the checks that nothing of a pod remains.
+
+use crate::containerd::{ContainerdOptions, PrivateContainerd};
+use crate::cri::{CriClient, Pod};
+use crate::images::PAUSE_IMAGE;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Timeout of one CRI call.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// The shim's state root (one directory per pod).
+pub const STATE_ROOT: &str = "/run/microvm";
+/// The shim binary.
+pub const SHIM: &str = "containerd-shim-microvm-v1";
+
+pub fn require_root() {
+    // SAFETY: geteuid(2) has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "the containerd tests need root");
+}
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// The folder holding an up-to-date shim binary of this build's profile: built with cargo
+/// (a no-op when `make build` already did) into the target folder this test runs from. It
+/// builds the workspace's binaries exactly as `make build` does: `-p shim` alone would unify
+/// features differently and rebuild half the dependency tree inside the test.
+pub fn shim_bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // <target>/<profile>/deps/<test>
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+    let target = profile_dir.parent().unwrap();
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "--workspace", "--bins"])
+        .env("CARGO_TARGET_DIR", target)
+        .current_dir(repo());
+    if release {
+        cmd.arg("--release");
+    }
+    let status = cmd.status().expect("running cargo build for the shim");
+    assert!(status.success(), "building {SHIM} failed");
+    assert!(profile_dir.join(SHIM).exists());
+    profile_dir
+}
+
+/// A shim config for the QEMU backend with our kernel and initrd (or the given kernel).
+pub fn write_config(dir: &Path, kernel: Option<&Path>) -> PathBuf {
+    write_config_for(dir, kernel, "qemu")
+}
+
+pub fn write_config_for(dir: &Path, kernel: Option<&Path>, hypervisor: &str) -> PathBuf {
+    let build = repo().join("build");
+    let default_kernel = build.join("vmlinux");
+    let kernel = kernel.unwrap_or(&default_kernel);
+    for f in [&default_kernel, &build.join("initrd.cpio")] {
+        assert!(
+            f.exists(),
+            "{} missing: run `make kernel initrd`",
+            f.display()
+        );
+    }
+    let path = dir.join("microvm.toml");
+    // MICROVM_TEST_LOG_LEVEL=debug turns on the shim's and the guest agent's debug lines.
+    let log_level = std::env::var("MICROVM_TEST_LOG_LEVEL").unwrap_or_else(|_| "info".into());
+    std::fs::write(
+        &path,
+        format!(
+            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n",
+            kernel.display(),
+            build.join("initrd.cpio").display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+pub async fn start(config: &Path) -> (PrivateContainerd, CriClient) {
+    require_root();
+    let ctrd = PrivateContainerd::start(ContainerdOptions {
+        extra_path: vec![shim_bin_dir()],
+        microvm_config: Some(config.to_path_buf()),
+        ..ContainerdOptions::default()
+    })
+    .unwrap_or_else(|e| panic!("starting the private containerd: {e}"));
+    let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.wait_ready(&[PAUSE_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    (ctrd, cri)
+}
+
+/// Processes whose command line mentions `needle` (other than this one).
+pub fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
+    let own = std::process::id() as i32;
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != own)
+        .filter_map(|pid| {
+            let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let c = String::from_utf8_lossy(&c).replace('\0', " ");
+            c.contains(needle).then_some((pid, c))
+        })
+        .collect()
+}
+
+/// The shim serving `pod_id` of this containerd instance.
+pub fn shim_pids(ctrd: &PrivateContainerd, pod_id: &str) -> Vec<i32> {
+    processes_mentioning(&ctrd.socket().display().to_string())
+        .into_iter()
+        .filter(|(_, c)| c.contains(SHIM) && c.contains(pod_id))
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// Waits (bounded) until nothing of pod `id` remains: processes, state directory, mounts,
+/// shim socket.
+pub fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
+    let state = Path::new(STATE_ROOT).join(id);
+    let socket = ctrd.shim_socket(id);
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut left = Vec::new();
+        for (pid, cmd) in processes_mentioning(&state.display().to_string()) {
+            left.push(format!("VM process {pid}: {cmd}"));
+        }
+        for p in ctrd.leftover_processes() {
+            left.push(format!("process {p:?}"));
+        }
+        if state.exists() {
+            left.push(format!("state directory {}", state.display()));
+        }
+        for m in crate::containerd::mounts_under(&state) {
+            left.push(format!("mount {}", m.display()));
+        }
+        if socket.exists() {
+            left.push(format!("shim socket {}", socket.display()));
+        }
+        for c in ctrd.leftover_cgroups() {
+            left.push(format!("cgroup {}", c.display()));
+        }
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left after {timeout:?}:\n{}\ncontainerd log:\n{}",
+            left.join("\n"),
+            ctrd.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The pod state directories under /run/microvm now.
+pub fn state_entries() -> Vec<PathBuf> {
+    std::fs::read_dir(STATE_ROOT)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+/// Waits (bounded) until no process of the instance, no pod state directory that was not in
+/// `before` and no pod cgroup remains.
+pub fn assert_nothing_new(ctrd: &PrivateContainerd, before: &[PathBuf]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = ctrd.leftover_processes();
+        let new_state: Vec<_> = state_entries()
+            .into_iter()
+            .filter(|p| !before.contains(p))
+            .collect();
+        let cgroups = ctrd.leftover_cgroups();
+        if left.is_empty() && new_state.is_empty() && cgroups.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left: {left:?} {new_state:?} {cgroups:?}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs a pod named `name` with the `microvm` handler, panicking with containerd's log on error.
+pub async fn run_pod(ctrd: &PrivateContainerd, cri: &CriClient, name: &str) -> Pod {
+    cri.run_pod_sandbox(ctrd.pod_config(name, HashMap::new()).unwrap(), "microvm")
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "RunPodSandbox {name}: {e}\ncontainerd log:\n{}",
+                ctrd.log_tail()
+            )
+        })
+}
+
+/// Stops and removes `pod`, then checks nothing of it remains.
+pub async fn remove_pod(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod) {
+    cri.stop_pod_sandbox(&pod.id).await.unwrap();
+    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    assert_pod_gone(ctrd, &pod.id, Duration::from_secs(20));
+}
