@@ -286,6 +286,20 @@ impl PrivateContainerd {
         command: &[&str],
         timeout: Duration,
     ) -> Result<std::process::Output, ContainerdError> {
+        self.ctr_run_with_config(runtime, None, image, id, command, timeout)
+    }
+
+    /// [`Self::ctr_run`] with `--runtime-config-path` (the shim's `ConfigPath`) when given.
+    pub fn ctr_run_with_config(
+        &self,
+        runtime: &str,
+        runtime_config: Option<&Path>,
+        image: &str,
+        id: &str,
+        command: &[&str],
+        timeout: Duration,
+    ) -> Result<std::process::Output, ContainerdError> {
+        let config = runtime_config.map(|p| p.to_string_lossy().into_owned());
         let fifo_dir = self.dir().join("ctr-fifo");
         std::fs::create_dir_all(&fifo_dir).map_err(io_err("create the ctr fifo dir"))?;
         let cgroup = format!("{}/{id}", self.cgroup_parent);
@@ -299,9 +313,11 @@ impl PrivateContainerd {
             &cgroup,
             "--fifo-dir",
             &fifo_dir,
-            image,
-            id,
         ];
+        if let Some(config) = &config {
+            args.extend(["--runtime-config-path", config.as_str()]);
+        }
+        args.extend([image, id]);
         args.extend_from_slice(command);
         self.ctr(&args, timeout)
     }

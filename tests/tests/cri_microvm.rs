@@ -452,3 +452,47 @@ async fn the_containers_spec_applies_inside_the_guest() {
     cri.remove_container(&id).await.unwrap();
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// `ctr run --runtime io.containerd.microvm.v1`: a container outside any CRI pod gets a VM of
+/// its own; its output and exit code come back through ctr, and `--rm` leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctr_run_with_the_microvm_runtime_runs_a_container_in_its_own_vm() {
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let before = state_entries();
+    let id = format!("ctr-microvm-{}", std::process::id());
+    let out = ctrd
+        .ctr_run_with_config(
+            "io.containerd.microvm.v1",
+            Some(&config),
+            BUSYBOX_IMAGE,
+            &id,
+            &["sh", "-c", "echo kernel $(uname -r); exit 5"],
+            Duration::from_secs(120),
+        )
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "stdout: {stdout}\nstderr: {stderr}\ncontainerd log:\n{}",
+        ctrd.log_tail()
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("kernel "))
+        .unwrap_or_else(|| panic!("no kernel line in {stdout:?} ({stderr})"));
+    assert_ne!(line, host_release.trim(), "ran on the host kernel");
+    assert!(line.contains("microvm"), "{line}");
+    assert_nothing_new(&ctrd, &before);
+    let left = ctrd.mounts();
+    assert!(left.is_empty(), "mounts left: {left:?}");
+}

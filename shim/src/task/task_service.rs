@@ -189,6 +189,62 @@ impl TaskService {
         req: &api::CreateTaskRequest,
         annotations: &HashMap<String, String>,
     ) -> TtrpcResult<u32> {
+        let exit = self.boot_pod(req, annotations).await?;
+        let pid = std::process::id();
+        let mut inner = self.inner.lock().await;
+        let agent = inner.pod.as_ref().map(|p| p.vm.agent());
+        inner.containers.insert(
+            req.id.clone(),
+            Container::new(&req.bundle, pid, exit.clone()),
+        );
+        drop(inner);
+        self.spawn_exit_monitor(req.id.clone(), pid, exit.clone());
+        if let Some(agent) = agent {
+            self.spawn_oom_watcher(agent, exit);
+        }
+        Ok(pid)
+    }
+
+    /// A container outside any CRI pod (`ctr run`): a VM of its own, named by the container,
+    /// with the container as its only app container. Its exit is the container's; Delete ends
+    /// the VM.
+    async fn create_standalone(
+        &self,
+        req: &api::CreateTaskRequest,
+        spec: serde_json::Value,
+        annotations: &HashMap<String, String>,
+    ) -> TtrpcResult<u32> {
+        let exit = self.boot_pod(req, annotations).await?;
+        let agent = self.pod_agent().await?;
+        match self.create_app(req, spec, &req.id).await {
+            Ok(pid) => {
+                self.spawn_oom_watcher(agent, exit);
+                Ok(pid)
+            }
+            Err(e) => {
+                let pod = self.inner.lock().await.pod.take();
+                if let Some(pod) = pod {
+                    pod.vm.stop(137);
+                    pod.vm.wait().await;
+                    let state = pod.state.clone();
+                    drop(pod);
+                    if let Ok(Err(c)) = tokio::task::spawn_blocking(move || state.cleanup()).await
+                    {
+                        log::warn!("container {}: cleanup after a failed create: {c}", req.id);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Boots the VM of pod `req.id` (config, size, state directory, shared directory) and
+    /// records it as this shim's pod; returns the VM's exit receiver.
+    async fn boot_pod(
+        &self,
+        req: &api::CreateTaskRequest,
+        annotations: &HashMap<String, String>,
+    ) -> TtrpcResult<watch::Receiver<Option<VmExit>>> {
         if self.inner.lock().await.pod.is_some() {
             return Err(status(
                 Code::ALREADY_EXISTS,
@@ -269,25 +325,13 @@ impl TaskService {
             vm.info().kernel_release,
             vm.info().boot_id
         );
-        let pid = std::process::id();
         let exit = vm.exited();
-        let mut inner = self.inner.lock().await;
-        inner.pod = Some(Pod {
+        self.inner.lock().await.pod = Some(Pod {
             id: req.id.clone(),
             state,
             vm,
         });
-        let agent = inner.pod.as_ref().map(|p| p.vm.agent());
-        inner.containers.insert(
-            req.id.clone(),
-            Container::new(&req.bundle, pid, exit.clone()),
-        );
-        drop(inner);
-        self.spawn_exit_monitor(req.id.clone(), pid, exit.clone());
-        if let Some(agent) = agent {
-            self.spawn_oom_watcher(agent, exit);
-        }
-        Ok(pid)
+        Ok(exit)
     }
 
     /// Publishes TaskExit and marks the container stopped once the VM has ended.
@@ -609,15 +653,7 @@ impl Task for TaskService {
         let pid = match Role::from_annotations(&req.id, &annotations) {
             Role::Sandbox => self.create_sandbox(&req, &annotations).await?,
             Role::App { sandbox_id } => self.create_app(&req, spec, &sandbox_id).await?,
-            Role::Standalone => {
-                return Err(status(
-                    Code::UNIMPLEMENTED,
-                    format!(
-                        "microvm: containers outside a CRI pod (ctr run) are not supported yet (container {})",
-                        req.id
-                    ),
-                ))
-            }
+            Role::Standalone => self.create_standalone(&req, spec, &annotations).await?,
         };
         self.publish(
             topics::TASK_CREATE_EVENT_TOPIC,
@@ -840,7 +876,13 @@ impl Task for TaskService {
             if pod.vm.exited().borrow().is_none() {
                 pod.vm.stop(137);
             }
-            let exit = pod.vm.wait().await;
+            let vm_exit = pod.vm.wait().await;
+            // A standalone container's own VM: the exit is the container's.
+            let exit = if container.app_exit.is_some() {
+                (*container.exit.borrow()).unwrap_or(vm_exit)
+            } else {
+                vm_exit
+            };
             let state = pod.state.clone();
             drop(pod);
             match tokio::task::spawn_blocking(move || state.cleanup()).await {
