@@ -378,6 +378,9 @@ async fn interactive_exec_on_a_tty_follows_resizes() {
         });
     }
     let mut ctr = cmd.spawn().expect("spawning ctr task exec -t");
+    // The Command keeps its copies of the slave: only ctr may hold the terminal, or the master
+    // would never see the end of it.
+    drop(cmd);
     drop(slave);
     let mut term = std::fs::File::from(master.try_clone().unwrap());
     let mut seen = String::new();
@@ -410,7 +413,15 @@ async fn interactive_exec_on_a_tty_follows_resizes() {
     let code = wait_bounded(&mut ctr, CTR_TIMEOUT);
     assert_eq!(code, Some(3), "ctr task exec -t of sh ending with `exit 3`");
     drop(master);
-    let _ = drain.join();
+    // With ctr gone nobody holds the slave: the drain reads EIO and ends.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !drain.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "the terminal stayed open after ctr exited"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 
     // The container is unaffected.
     let status = cri.container_status(&cid).await.unwrap();
