@@ -331,6 +331,20 @@ impl Containers {
         if let Some(namespaces) = linux.namespaces().clone() {
             let mut out = Vec::with_capacity(namespaces.len());
             for mut ns in namespaces {
+                let path = ns.path().as_ref().and_then(|p| p.to_str());
+                if path == Some(crate::pod_namespace::POD_PID_NAMESPACE) {
+                    if ns.typ() != LinuxNamespaceType::Pid {
+                        return Err(ContainerError::Spec(format!(
+                            "namespace path {} is only for the pid namespace",
+                            crate::pod_namespace::POD_PID_NAMESPACE
+                        )));
+                    }
+                    let shared = crate::pod_namespace::pid_namespace_path()
+                        .map_err(io_err("starting the pod's PID namespace"))?;
+                    ns.set_path(Some(shared));
+                    out.push(ns);
+                    continue;
+                }
                 let target = ns
                     .path()
                     .as_ref()

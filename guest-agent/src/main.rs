@@ -12,6 +12,7 @@ mod containers;
 mod init;
 mod logger;
 mod oom;
+mod pod_namespace;
 mod power;
 mod reaper;
 mod server;

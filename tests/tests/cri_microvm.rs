@@ -496,3 +496,79 @@ async fn ctr_run_with_the_microvm_runtime_runs_a_container_in_its_own_vm() {
     let left = ctrd.mounts();
     assert!(left.is_empty(), "mounts left: {left:?}");
 }
+
+/// The pod's PID namespace as the container asks for it: with the pod's (Kubernetes
+/// `shareProcessNamespace`, CRI `NamespaceMode::POD`) a container sees its pod mates'
+/// processes (the guest's pod namespace, not the agent's); with its own (`CONTAINER`) it sees
+/// only itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containers_share_the_pods_pid_namespace_only_when_asked() {
+    use k8s_cri::v1::{
+        LinuxContainerConfig, LinuxContainerSecurityContext, NamespaceMode, NamespaceOption,
+    };
+    use microvm_tests::cri::container_config;
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap();
+    let pod = run_pod(&ctrd, &cri, "microvm-pidns").await;
+    let with_pid_mode = |name: &str, command: &[&str], mode: NamespaceMode| {
+        let mut cfg = container_config(name, BUSYBOX_IMAGE, command);
+        cfg.linux = Some(LinuxContainerConfig {
+            security_context: Some(LinuxContainerSecurityContext {
+                namespace_options: Some(NamespaceOption {
+                    pid: mode as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        cfg
+    };
+    let sleeper = cri
+        .create_container(
+            &pod,
+            with_pid_mode("sleeper", &["sleep", "3600"], NamespaceMode::Pod),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&sleeper).await.unwrap();
+    // In its own namespace the shell is PID 1; in the pod's, the pod's holder is.
+    let look = "echo sleepers=$(ps -o args | grep -c '^sleep 3600'); \
+                [ $$ = 1 ] && echo pid1=self || echo pid1=other";
+    for (name, mode, sleepers, pid1) in [
+        ("shared", NamespaceMode::Pod, "sleepers=1", "pid1=other"),
+        (
+            "private",
+            NamespaceMode::Container,
+            "sleepers=0",
+            "pid1=self",
+        ),
+    ] {
+        let id = cri
+            .create_container(&pod, with_pid_mode(name, &["sh", "-c", look], mode))
+            .await
+            .unwrap();
+        cri.start_container(&id).await.unwrap();
+        let status = cri
+            .wait_container_exited(&id, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let out: Vec<String> = microvm_tests::cri::read_cri_log(Path::new(&status.log_path))
+            .unwrap()
+            .into_iter()
+            .map(|l| l.text)
+            .collect();
+        assert!(out.iter().any(|l| l == sleepers), "{name}: {out:?}");
+        assert!(out.iter().any(|l| l == pid1), "{name}: {out:?}");
+        cri.remove_container(&id).await.unwrap();
+    }
+    cri.stop_container(&sleeper, 0).await.unwrap();
+    cri.remove_container(&sleeper).await.unwrap();
+    remove_pod(&ctrd, &cri, &pod).await;
+}

@@ -10,7 +10,8 @@
 //! - `root.path` becomes the guest path of the rootfs;
 //! - each bind mount's `source` becomes the guest path of its share;
 //! - namespaces with a host path (`/proc/<pause-pid>/ns/*`): `network`, `ipc` and `uts` entries
-//!   are dropped (the container joins the VM's, which are the pod's); others lose the path (new
+//!   are dropped (the container joins the VM's, which are the pod's); the sandbox's `pid` becomes
+//!   [`POD_PID_NAMESPACE`] (the agent's pod PID namespace); others lose the path (new
 //!   namespace);
 //! - `linux.cgroupsPath` and `hooks` are removed (host cgroups and host binaries mean nothing in
 //!   the guest; the agent picks the cgroup).
@@ -44,8 +45,19 @@ pub fn guest_rootfs(cid: &str) -> String {
     format!("{GUEST_SHARED_DIR}/{cid}/rootfs")
 }
 
-/// Rewrites `spec` for the guest; returns the host paths to share first.
-pub fn rewrite_for_guest(spec: &mut Value, cid: &str) -> Result<Vec<ShareBind>, SpecError> {
+/// The namespace path that tells the agent "the pod's shared PID namespace"
+/// (guest-agent/src/pod_namespace.rs).
+pub const POD_PID_NAMESPACE: &str = "pod:pid";
+
+/// Rewrites `spec` for the guest; returns the host paths to share first. `sandbox_pid` is the
+/// pid the shim gave containerd for the pod's sandbox: a PID namespace path of
+/// `/proc/<sandbox_pid>/ns/pid` means the pod shares one PID namespace
+/// (`shareProcessNamespace`), which becomes the guest's pod PID namespace.
+pub fn rewrite_for_guest(
+    spec: &mut Value,
+    cid: &str,
+    sandbox_pid: u32,
+) -> Result<Vec<ShareBind>, SpecError> {
     if cid.is_empty() || cid.contains('/') || cid == "." || cid == ".." {
         return Err(SpecError::Invalid(format!("container id {cid:?}")));
     }
@@ -114,6 +126,11 @@ pub fn rewrite_for_guest(spec: &mut Value, cid: &str) -> Result<Vec<ShareBind>, 
                 if matches!(kind, "network" | "ipc" | "uts") {
                     return false;
                 }
+                let pod_pid_ns = format!("/proc/{sandbox_pid}/ns/pid");
+                if kind == "pid" && ns.get("path").and_then(Value::as_str) == Some(&pod_pid_ns) {
+                    ns["path"] = Value::String(POD_PID_NAMESPACE.into());
+                    return true;
+                }
                 if let Some(o) = ns.as_object_mut() {
                     o.remove("path");
                 }
@@ -160,9 +177,25 @@ mod tests {
     }
 
     #[test]
+    fn the_sandboxs_pid_namespace_becomes_the_pods_in_the_guest() {
+        let mut spec =
+            json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/42/ns/pid"}]}});
+        rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        assert_eq!(
+            spec["linux"]["namespaces"],
+            json!([{"type": "pid", "path": POD_PID_NAMESPACE}])
+        );
+        // another process's namespace (a target container's pid on the host) is not the pod's
+        let mut spec =
+            json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/7/ns/pid"}]}});
+        rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        assert_eq!(spec["linux"]["namespaces"], json!([{"type": "pid"}]));
+    }
+
+    #[test]
     fn rewrites_root_mounts_namespaces_and_drops_host_bits() {
         let mut spec = cri_app_spec();
-        let binds = rewrite_for_guest(&mut spec, "c1").unwrap();
+        let binds = rewrite_for_guest(&mut spec, "c1", 42).unwrap();
         assert_eq!(spec["root"]["path"], "/run/microvm-shared/c1/rootfs");
         assert_eq!(spec["root"]["readonly"], false);
         assert!(spec.get("hooks").is_none());
@@ -209,18 +242,18 @@ mod tests {
     #[test]
     fn rejects_bad_specs_and_ids() {
         for id in ["", "..", "a/b"] {
-            assert!(rewrite_for_guest(&mut cri_app_spec(), id).is_err());
+            assert!(rewrite_for_guest(&mut cri_app_spec(), id, 42).is_err());
         }
-        assert!(rewrite_for_guest(&mut json!([]), "c").is_err());
-        assert!(rewrite_for_guest(&mut json!({"root": 3}), "c").is_err());
-        assert!(rewrite_for_guest(&mut json!({"mounts": {}}), "c").is_err());
+        assert!(rewrite_for_guest(&mut json!([]), "c", 42).is_err());
+        assert!(rewrite_for_guest(&mut json!({"root": 3}), "c", 42).is_err());
+        assert!(rewrite_for_guest(&mut json!({"mounts": {}}), "c", 42).is_err());
         let mut rel = json!({"mounts": [{"destination": "/x", "type": "bind", "source": "x"}]});
-        assert!(rewrite_for_guest(&mut rel, "c").is_err());
+        assert!(rewrite_for_guest(&mut rel, "c", 42).is_err());
         let mut nosrc = json!({"mounts": [{"destination": "/x", "type": "bind"}]});
-        assert!(rewrite_for_guest(&mut nosrc, "c").is_err());
+        assert!(rewrite_for_guest(&mut nosrc, "c", 42).is_err());
         // A minimal spec gets a root.
         let mut min = json!({});
-        assert!(rewrite_for_guest(&mut min, "c").unwrap().is_empty());
+        assert!(rewrite_for_guest(&mut min, "c", 42).unwrap().is_empty());
         assert_eq!(min["root"]["path"], "/run/microvm-shared/c/rootfs");
     }
 }

@@ -444,7 +444,7 @@ impl TaskService {
                 pod.vm.console_tail_source(),
             )
         };
-        let binds = guest_spec::rewrite_for_guest(&mut spec, &req.id)
+        let binds = guest_spec::rewrite_for_guest(&mut spec, &req.id, std::process::id())
             .map_err(|e| status(Code::INVALID_ARGUMENT, format!("microvm: {e}")))?;
         let rootfs: Vec<RootfsMount> = req
             .rootfs
