@@ -15,6 +15,8 @@ const MAX_QUEUED: usize = 1024;
 pub struct OomEvents {
     queue: Mutex<VecDeque<String>>,
     ready: Condvar,
+    /// The `oom_kill` counter last seen per container.
+    seen: Mutex<HashMap<String, u64>>,
 }
 
 impl OomEvents {
@@ -25,6 +27,33 @@ impl OomEvents {
         }
         queue.push_back(id);
         self.ready.notify_one();
+    }
+
+    /// Queues an event if container `id`'s `oom_kill` counter grew since last seen. Called by
+    /// the watcher, and when a container's init exits or the container is removed: the shim
+    /// removes a container right after its exit, often before the next poll would see it.
+    pub fn check(&self, id: &str) {
+        if !agent_protocol::stdio::valid_id(id) {
+            return;
+        }
+        let kills = read_stats(&cgroup_dir(id)).oom_kills;
+        let grew = {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let before = seen.insert(id.to_owned(), kills).unwrap_or(0);
+            kills > before
+        };
+        if grew {
+            log::info!("container {id}: OOM kill");
+            self.push(id.to_owned());
+        }
+    }
+
+    /// Forgets a removed container's counter.
+    pub fn forget(&self, id: &str) {
+        self.seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
     }
 
     /// The next event, or None after `timeout`.
@@ -42,20 +71,10 @@ impl OomEvents {
         let events = self.clone();
         std::thread::Builder::new()
             .name("oom-watch".into())
-            .spawn(move || {
-                let mut seen: HashMap<String, u64> = HashMap::new();
-                loop {
-                    std::thread::sleep(POLL);
-                    let ids = containers.ids();
-                    seen.retain(|id, _| ids.contains(id));
-                    for id in ids {
-                        let kills = read_stats(&cgroup_dir(&id)).oom_kills;
-                        let before = seen.insert(id.clone(), kills).unwrap_or(0);
-                        if kills > before {
-                            log::info!("container {id}: OOM kill");
-                            events.push(id);
-                        }
-                    }
+            .spawn(move || loop {
+                std::thread::sleep(POLL);
+                for id in containers.ids() {
+                    events.check(&id);
                 }
             })?;
         Ok(())

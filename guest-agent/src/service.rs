@@ -187,6 +187,10 @@ impl Agent for AgentService {
         let status = cell
             .wait(long_poll(ctx))
             .ok_or_else(|| rpc_error(Code::DEADLINE_EXCEEDED, "the process is still running"))?;
+        if req.exec_id.is_empty() {
+            // An OOM kill of the init is queued before the shim hears of the exit.
+            self.oom.check(&req.container_id);
+        }
         Ok(WaitProcessResponse {
             exit_status: status.code,
             exited_at_unix_nanos: status.at_unix_nanos,
@@ -286,9 +290,11 @@ impl Agent for AgentService {
         _ctx: &TtrpcContext,
         req: RemoveContainerRequest,
     ) -> ttrpc::Result<RemoveContainerResponse> {
+        self.oom.check(&req.container_id);
         self.containers
             .remove(&req.container_id)
             .map_err(|e| failed("RemoveContainer", e))?;
+        self.oom.forget(&req.container_id);
         log::info!("container {} removed", req.container_id);
         Ok(RemoveContainerResponse::new())
     }

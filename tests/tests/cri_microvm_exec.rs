@@ -574,3 +574,68 @@ async fn container_stats_and_pause_resume() {
 
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// A container whose init outgrows its memory limit (applied to its cgroup in the guest) is
+/// OOM-killed there: it exits with 137, and the shim's TaskOOM (from the agent's GetOomEvent)
+/// makes CRI report the reason `OOMKilled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oom_kill_in_the_guest_reaches_cri_as_oomkilled() {
+    use microvm_tests::cri::v1::{LinuxContainerConfig, LinuxContainerResources};
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-exec-oom", HashMap::new()).unwrap(),
+            "microvm",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let mut config = container_config(
+        "hog",
+        BUSYBOX_IMAGE,
+        &["sh", "-c", "a=x; while true; do a=\"$a$a\"; done"],
+    );
+    config.linux = Some(LinuxContainerConfig {
+        resources: Some(LinuxContainerResources {
+            memory_limit_in_bytes: 24 << 20,
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let id = cri
+        .create_container(&pod, config)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    cri.start_container(&id)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let status = cri
+        .wait_container_exited(&id, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(status.exit_code, 137, "{status:?}");
+    // The TaskOOM event may reach containerd just after the exit.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut status = status;
+    while status.reason != "OOMKilled" {
+        if Instant::now() >= deadline {
+            let console = Path::new(STATE_ROOT).join(&pod.id).join("vm/console.log");
+            let console = std::fs::read_to_string(&console).unwrap_or_default();
+            let tail: Vec<&str> = console.lines().rev().take(60).collect();
+            panic!(
+                "no OOMKilled reason: {status:?}\ncontainerd log:\n{}\nguest console (last lines, newest first):\n{}",
+                ctrd.log_tail(),
+                tail.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        status = cri.container_status(&id).await.unwrap();
+    }
+    eprintln!(
+        "OOM kill in the guest: exit {}, reason {}",
+        status.exit_code, status.reason
+    );
+    cri.remove_container(&id).await.unwrap();
+    remove_pod(&ctrd, &cri, &pod).await;
+}

@@ -243,6 +243,62 @@ fn copy_output(mut stream: UnixStream, mut fifo: File) -> io::Result<()> {
 mod tests {
     use super::*;
 
+    fn mkfifo(path: &Path) {
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo(3) with a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    }
+
+    /// CloseIO while the writer keeps its end open (as `ctr task exec` does): what was written
+    /// is delivered, then the stream ends.
+    #[test]
+    fn close_delivers_what_was_written_then_ends_the_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("stdin");
+        mkfifo(&fifo);
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let closing = Arc::new(AtomicBool::new(false));
+        let flag = closing.clone();
+        let path = fifo.clone();
+        let thread = std::thread::spawn(move || {
+            let f = File::open(&path).unwrap();
+            copy_then_close(f, ours, &flag)
+        });
+        let mut writer = OpenOptions::new().write(true).open(&fifo).unwrap();
+        writer.write_all(b"abc\n").unwrap();
+        let copy = StdinCopy {
+            thread: std::thread::spawn(move || thread.join().unwrap().unwrap()),
+            closing,
+            fifo: fifo.to_string_lossy().into_owned(),
+        };
+        assert!(copy.close(Duration::from_secs(5)), "the copy did not end");
+        let mut got = String::new();
+        (&theirs).read_to_string(&mut got).unwrap();
+        assert_eq!(got, "abc\n");
+        drop(writer);
+    }
+
+    /// A copy still waiting for containerd to open the FIFO is released.
+    #[test]
+    fn release_unblocks_a_copy_waiting_for_a_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("stdin");
+        mkfifo(&fifo);
+        let path = fifo.clone();
+        let t = std::thread::spawn(move || File::open(&path).map(|_| ()));
+        // (Until the thread is inside open(2) there is no reader and a release is a no-op.)
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !t.is_finished() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still blocked in open"
+            );
+            release_stdin_fifo(&fifo.to_string_lossy());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        t.join().unwrap().unwrap();
+    }
+
     #[test]
     fn copies_stdin_to_eof_and_output_until_closed() {
         let dir = tempfile::tempdir().unwrap();
