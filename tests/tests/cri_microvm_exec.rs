@@ -639,3 +639,68 @@ async fn an_oom_kill_in_the_guest_reaches_cri_as_oomkilled() {
     cri.remove_container(&id).await.unwrap();
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// UpdateContainerResources (CRI) of a running container reaches its cgroup in the guest: the
+/// memory limit read inside the container follows the update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_container_resources_reach_the_guest_cgroup() {
+    use microvm_tests::cri::v1::runtime_service_client::RuntimeServiceClient;
+    use microvm_tests::cri::v1::{LinuxContainerResources, UpdateContainerResourcesRequest};
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-update").await;
+    let memory_max = [
+        "sh",
+        "-c",
+        "cat /sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup)/memory.max",
+    ];
+    let before = cri.exec_sync(&cid, &memory_max, 60).await.unwrap();
+    assert_eq!(before.exit_code, 0, "{before:?}");
+
+    let path = ctrd.socket().to_path_buf();
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .unwrap();
+    let mut runtime = RuntimeServiceClient::new(channel);
+    let limit: i64 = 48 << 20;
+    tokio::time::timeout(
+        CALL_TIMEOUT,
+        runtime.update_container_resources(UpdateContainerResourcesRequest {
+            container_id: cid.clone(),
+            linux: Some(LinuxContainerResources {
+                memory_limit_in_bytes: limit,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+    )
+    .await
+    .expect("UpdateContainerResources in time")
+    .unwrap_or_else(|e| {
+        panic!(
+            "UpdateContainerResources: {e}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        )
+    });
+    let after = cri.exec_sync(&cid, &memory_max, 60).await.unwrap();
+    assert_eq!(
+        (after.exit_code, after.stdout.trim()),
+        (0, limit.to_string().as_str()),
+        "memory.max before the update: {:?}",
+        before.stdout
+    );
+    eprintln!(
+        "UpdateContainerResources: memory.max {} -> {}",
+        before.stdout.trim(),
+        after.stdout.trim()
+    );
+    remove_pod(&ctrd, &cri, &pod).await;
+}
