@@ -332,12 +332,17 @@ impl TaskService {
         if let Some(agent) = agent {
             let (id, eid) = (req.id.clone(), req.exec_id.clone());
             let removed = tokio::task::spawn_blocking(move || agent.remove_exec(&id, &eid)).await;
-            if let Ok(Err(e)) = removed {
-                log::warn!(
+            match removed {
+                // An exec whose start failed was already forgotten by the agent.
+                Ok(Err(e)) if exec.phase == Phase::Created => {
+                    log::debug!("exec {} of {}: {e}", req.exec_id, req.id)
+                }
+                Ok(Err(e)) => log::warn!(
                     "forgetting exec {} of {} in the guest: {e}",
                     req.exec_id,
                     req.id
-                );
+                ),
+                _ => {}
             }
         }
         let exit = (*exec.exit.borrow()).unwrap_or(VmExit {
