@@ -7,162 +7,25 @@
 //!
 //! After each test the pod is stopped and removed, and nothing of it may remain.
 
-use microvm_tests::containerd::{ContainerdOptions, PrivateContainerd};
+use microvm_tests::containerd::PrivateContainerd;
 use microvm_tests::cri::{container_config, CriClient, Pod};
-use microvm_tests::images::{BUSYBOX_IMAGE, PAUSE_IMAGE};
+use microvm_tests::images::BUSYBOX_IMAGE;
+use microvm_tests::microvm_pods::*;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const CALL_TIMEOUT: Duration = Duration::from_secs(120);
-const STATE_ROOT: &str = "/run/microvm";
-const SHIM: &str = "containerd-shim-microvm-v1";
 const CTR_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The tests of this file share /run/microvm; they run one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-// ---- setup, as in cri_microvm.rs ----
-
-fn require_root() {
-    // SAFETY: geteuid(2) has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "the containerd tests need root");
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent")
-        .to_path_buf()
-}
-
-/// The folder with an up-to-date shim binary of this build's profile, built as `make build`
-/// does into the target folder this test runs from.
-fn shim_bin_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
-    let target = profile_dir.parent().unwrap();
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.args(["build", "--workspace", "--bins"])
-        .env("CARGO_TARGET_DIR", target)
-        .current_dir(repo());
-    if release {
-        cmd.arg("--release");
-    }
-    let status = cmd.status().expect("running cargo build for the shim");
-    assert!(status.success(), "building {SHIM} failed");
-    assert!(profile_dir.join(SHIM).exists());
-    profile_dir
-}
-
-/// A shim config for the QEMU backend with our kernel and initrd.
-fn write_config(dir: &Path) -> PathBuf {
-    let build = repo().join("build");
-    for f in [build.join("vmlinux"), build.join("initrd.cpio")] {
-        assert!(
-            f.exists(),
-            "{} missing: run `make kernel initrd`",
-            f.display()
-        );
-    }
-    let path = dir.join("microvm.toml");
-    let log_level = std::env::var("MICROVM_TEST_LOG_LEVEL").unwrap_or_else(|_| "info".into());
-    std::fs::write(
-        &path,
-        format!(
-            "hypervisor = \"qemu\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n",
-            build.join("vmlinux").display(),
-            build.join("initrd.cpio").display()
-        ),
-    )
-    .unwrap();
-    path
-}
-
-async fn start(config: &Path) -> (PrivateContainerd, CriClient) {
-    require_root();
-    let ctrd = PrivateContainerd::start(ContainerdOptions {
-        extra_path: vec![shim_bin_dir()],
-        microvm_config: Some(config.to_path_buf()),
-        ..ContainerdOptions::default()
-    })
-    .unwrap_or_else(|e| panic!("starting the private containerd: {e}"));
-    let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    (ctrd, cri)
-}
-
-/// Processes whose command line mentions `needle` (other than this one).
-fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
-    let own = std::process::id() as i32;
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid != own)
-        .filter_map(|pid| {
-            let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let c = String::from_utf8_lossy(&c).replace('\0', " ");
-            c.contains(needle).then_some((pid, c))
-        })
-        .collect()
-}
-
-/// Waits (bounded) until nothing of pod `id` remains: processes, state directory, mounts,
-/// shim socket, cgroups.
-fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
-    let state = Path::new(STATE_ROOT).join(id);
-    let socket = ctrd.shim_socket(id);
-    let deadline = Instant::now() + timeout;
-    loop {
-        let mut left = Vec::new();
-        for (pid, cmd) in processes_mentioning(&state.display().to_string()) {
-            left.push(format!("VM process {pid}: {cmd}"));
-        }
-        for p in ctrd.leftover_processes() {
-            left.push(format!("process {p:?}"));
-        }
-        if state.exists() {
-            left.push(format!("state directory {}", state.display()));
-        }
-        for m in microvm_tests::containerd::mounts_under(&state) {
-            left.push(format!("mount {}", m.display()));
-        }
-        if socket.exists() {
-            left.push(format!("shim socket {}", socket.display()));
-        }
-        for c in ctrd.leftover_cgroups() {
-            left.push(format!("cgroup {}", c.display()));
-        }
-        if left.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "left after {timeout:?}:\n{}\ncontainerd log:\n{}",
-            left.join("\n"),
-            ctrd.log_tail()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// A pod named `name` with one running busybox container (`sleep`); returns both.
 async fn pod_with_sleeper(ctrd: &PrivateContainerd, cri: &CriClient, name: &str) -> (Pod, String) {
-    let pod = cri
-        .run_pod_sandbox(ctrd.pod_config(name, HashMap::new()).unwrap(), "microvm")
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let pod = run_pod(ctrd, cri, name).await;
     let id = cri
         .create_container(
             &pod,
@@ -174,13 +37,6 @@ async fn pod_with_sleeper(ctrd: &PrivateContainerd, cri: &CriClient, name: &str)
         .await
         .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
     (pod, id)
-}
-
-/// Stops and removes the pod (its running container with it) and checks nothing is left.
-async fn remove_pod(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod) {
-    cri.stop_pod_sandbox(&pod.id).await.unwrap();
-    cri.remove_pod_sandbox(&pod.id).await.unwrap();
-    assert_pod_gone(ctrd, &pod.id, Duration::from_secs(20));
 }
 
 /// `ctr -a <sock> -n k8s.io ARGS` with the given stdio, not waited for.
@@ -238,7 +94,7 @@ fn host_kernel_release() -> String {
 async fn exec_sync_runs_in_the_guest_with_exact_exit_codes() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-sync").await;
 
     let t = Instant::now();
@@ -352,7 +208,7 @@ fn read_until(master: &mut std::fs::File, seen: &mut String, want: &str, timeout
 async fn interactive_exec_on_a_tty_follows_resizes() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-tty").await;
 
     let (master, slave) = openpty();
@@ -435,7 +291,7 @@ async fn interactive_exec_on_a_tty_follows_resizes() {
 async fn exec_stdin_is_piped_through_and_closed() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-stdin").await;
 
     // More than one pipe buffer (64 KiB) and not a multiple of any chunk size.
@@ -489,7 +345,7 @@ async fn container_stats_and_pause_resume() {
     use microvm_tests::cri::v1::ContainerStatsRequest;
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-stats").await;
     // Some memory and CPU in the container's cgroup.
     let out = cri
@@ -583,7 +439,7 @@ async fn an_oom_kill_in_the_guest_reaches_cri_as_oomkilled() {
     use microvm_tests::cri::v1::{LinuxContainerConfig, LinuxContainerResources};
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
     let pod = cri
         .run_pod_sandbox(
             ctrd.pod_config("microvm-exec-oom", HashMap::new()).unwrap(),
@@ -648,7 +504,7 @@ async fn update_container_resources_reach_the_guest_cgroup() {
     use microvm_tests::cri::v1::{LinuxContainerResources, UpdateContainerResourcesRequest};
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path())).await;
+    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-update").await;
     let memory_max = [
         "sh",
