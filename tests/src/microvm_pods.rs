@@ -196,6 +196,19 @@ pub fn assert_nothing_new(ctrd: &PrivateContainerd, before: &[PathBuf]) {
     }
 }
 
+/// A private containerd with the `microvm` handler on the QEMU backend (config in a fresh
+/// temporary folder, returned so it lives as long as the caller needs it) and the busybox
+/// image ready.
+pub async fn start_with_busybox() -> (tempfile::TempDir, PathBuf, PrivateContainerd, CriClient) {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    cri.wait_ready(&[crate::images::BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    (dir, config, ctrd, cri)
+}
+
 /// Runs a pod named `name` with the `microvm` handler, panicking with containerd's log on error.
 pub async fn run_pod(ctrd: &PrivateContainerd, cri: &CriClient, name: &str) -> Pod {
     cri.run_pod_sandbox(ctrd.pod_config(name, HashMap::new()).unwrap(), "microvm")

@@ -187,12 +187,7 @@ async fn microvm_app_container_runs_with_output_and_exit_code() {
     use microvm_tests::cri::{container_config, read_cri_log};
     use microvm_tests::images::BUSYBOX_IMAGE;
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), None);
-    let (ctrd, cri) = start(&config).await;
-    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
-        .await
-        .unwrap();
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let pod = run_pod(&ctrd, &cri, "microvm-app").await;
     let exits = cri
         .create_container(
@@ -284,14 +279,8 @@ async fn run_to_exit(
 /// kernel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn containers_of_a_pod_share_its_vm_and_pods_do_not() {
-    use microvm_tests::images::BUSYBOX_IMAGE;
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), None);
-    let (ctrd, cri) = start(&config).await;
-    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
-        .await
-        .unwrap();
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let boot_id = ["cat", "/proc/sys/kernel/random/boot_id"];
     let host_boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
     let mut pods = Vec::new();
@@ -334,12 +323,7 @@ async fn a_missing_entrypoint_fails_start_container_naming_it() {
     use microvm_tests::cri::container_config;
     use microvm_tests::images::BUSYBOX_IMAGE;
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), None);
-    let (ctrd, cri) = start(&config).await;
-    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
-        .await
-        .unwrap();
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let pod = run_pod(&ctrd, &cri, "microvm-no-entrypoint").await;
     let id = cri
         .create_container(
@@ -377,12 +361,7 @@ async fn the_containers_spec_applies_inside_the_guest() {
     use microvm_tests::cri::container_config;
     use microvm_tests::images::BUSYBOX_IMAGE;
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), None);
-    let (ctrd, cri) = start(&config).await;
-    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
-        .await
-        .unwrap();
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let pod = run_pod(&ctrd, &cri, "microvm-spec").await;
     let script = "echo uid=$(id -u) gid=$(id -g); echo cwd=$(pwd); echo foo=$FOO; \
                   echo host=$(hostname); touch /written 2>/dev/null && echo rootfs=rw || echo rootfs=ro; \
@@ -459,12 +438,7 @@ async fn the_containers_spec_applies_inside_the_guest() {
 async fn ctr_run_with_the_microvm_runtime_runs_a_container_in_its_own_vm() {
     use microvm_tests::images::BUSYBOX_IMAGE;
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), None);
-    let (ctrd, cri) = start(&config).await;
-    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
-        .await
-        .unwrap();
+    let (_dir, config, ctrd, _cri) = start_with_busybox().await;
     let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     let before = state_entries();
     let id = format!("ctr-microvm-{}", std::process::id());
@@ -509,12 +483,7 @@ async fn containers_share_the_pods_pid_namespace_only_when_asked() {
     use microvm_tests::cri::container_config;
     use microvm_tests::images::BUSYBOX_IMAGE;
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), None);
-    let (ctrd, cri) = start(&config).await;
-    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
-        .await
-        .unwrap();
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let pod = run_pod(&ctrd, &cri, "microvm-pidns").await;
     let with_pid_mode = |name: &str, command: &[&str], mode: NamespaceMode| {
         let mut cfg = container_config(name, BUSYBOX_IMAGE, command);

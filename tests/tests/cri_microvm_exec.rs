@@ -93,8 +93,7 @@ fn host_kernel_release() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_sync_runs_in_the_guest_with_exact_exit_codes() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-sync").await;
 
     let t = Instant::now();
@@ -207,8 +206,7 @@ fn read_until(master: &mut std::fs::File, seen: &mut String, want: &str, timeout
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interactive_exec_on_a_tty_follows_resizes() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-tty").await;
 
     let (master, slave) = openpty();
@@ -290,8 +288,7 @@ async fn interactive_exec_on_a_tty_follows_resizes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_stdin_is_piped_through_and_closed() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-stdin").await;
 
     // More than one pipe buffer (64 KiB) and not a multiple of any chunk size.
@@ -344,8 +341,7 @@ async fn container_stats_and_pause_resume() {
     use microvm_tests::cri::v1::runtime_service_client::RuntimeServiceClient;
     use microvm_tests::cri::v1::ContainerStatsRequest;
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-stats").await;
     // Some memory and CPU in the container's cgroup.
     let out = cri
@@ -438,8 +434,7 @@ async fn container_stats_and_pause_resume() {
 async fn an_oom_kill_in_the_guest_reaches_cri_as_oomkilled() {
     use microvm_tests::cri::v1::{LinuxContainerConfig, LinuxContainerResources};
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let pod = cri
         .run_pod_sandbox(
             ctrd.pod_config("microvm-exec-oom", HashMap::new()).unwrap(),
@@ -503,8 +498,7 @@ async fn update_container_resources_reach_the_guest_cgroup() {
     use microvm_tests::cri::v1::runtime_service_client::RuntimeServiceClient;
     use microvm_tests::cri::v1::{LinuxContainerResources, UpdateContainerResourcesRequest};
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (ctrd, cri) = start(&write_config(dir.path(), None)).await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let (pod, cid) = pod_with_sleeper(&ctrd, &cri, "microvm-exec-update").await;
     let memory_max = [
         "sh",

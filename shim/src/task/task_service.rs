@@ -228,8 +228,7 @@ impl TaskService {
                     pod.vm.wait().await;
                     let state = pod.state.clone();
                     drop(pod);
-                    if let Ok(Err(c)) = tokio::task::spawn_blocking(move || state.cleanup()).await
-                    {
+                    if let Ok(Err(c)) = tokio::task::spawn_blocking(move || state.cleanup()).await {
                         log::warn!("container {}: cleanup after a failed create: {c}", req.id);
                     }
                 }
