@@ -17,8 +17,8 @@ out=$out_dir/initrd.cpio
 # libseccomp-dev.
 (cd "$repo" && RUSTFLAGS='-C target-feature=+crt-static -C strip=symbols' \
   LIBSECCOMP_LINK_TYPE=static LIBSECCOMP_LIB_PATH=${LIBSECCOMP_LIB_PATH:-/usr/lib/x86_64-linux-gnu} \
-  cargo build --release --locked -p guest-agent --target "$triple" >&2)
-agent=$target_dir/$triple/release/microvm-agent
+  cargo build --profile agent --locked -p guest-agent --target "$triple" >&2)
+agent=$target_dir/$triple/agent/microvm-agent
 [[ -x $agent ]] || { echo "build-initrd: no agent binary at $agent" >&2; exit 1; }
 if command -v readelf >/dev/null && readelf -l "$agent" | grep -q INTERP; then
   echo "build-initrd: $agent is dynamically linked" >&2
