@@ -413,6 +413,31 @@ impl Containers {
         result
     }
 
+    /// libcontainer's builder for a process of container `id`: our state root and executor, the
+    /// console socket of a terminal process, the stdio pipes of another.
+    fn builder(
+        &self,
+        id: &str,
+        console: Option<&Path>,
+        child: Option<crate::stdio::ChildStdio>,
+    ) -> Result<ContainerBuilder, ContainerError> {
+        let builder = ContainerBuilder::new(id.to_owned(), SyscallType::default())
+            .with_root_path(&self.state_root)
+            .map_err(|source| ContainerError::Runtime {
+                what: "state root",
+                source,
+            })?
+            .with_executor(AgentExecutor)
+            .with_console_socket(console);
+        Ok(match child {
+            Some(child) => builder
+                .with_stdin(child.stdin)
+                .with_stdout(child.stdout)
+                .with_stderr(child.stderr),
+            None => builder,
+        })
+    }
+
     fn create_in(
         &self,
         id: &str,
@@ -428,20 +453,7 @@ impl Containers {
         let ((container, pid), master) = with_console(
             bundle,
             |console| {
-                let mut builder = ContainerBuilder::new(id.to_owned(), SyscallType::default())
-                    .with_root_path(&self.state_root)
-                    .map_err(|source| ContainerError::Runtime {
-                        what: "state root",
-                        source,
-                    })?
-                    .with_executor(AgentExecutor)
-                    .with_console_socket(console);
-                if let Some(child) = child {
-                    builder = builder
-                        .with_stdin(child.stdin)
-                        .with_stdout(child.stdout)
-                        .with_stderr(child.stderr);
-                }
+                let builder = self.builder(id, console, child)?;
                 let mut table = reaper::processes();
                 log::debug!("container {id}: building from {}", bundle.display());
                 let container = builder
@@ -555,20 +567,7 @@ impl Containers {
         let result = with_console(
             &entry.bundle,
             |console| {
-                let mut builder = ContainerBuilder::new(id.to_owned(), SyscallType::default())
-                    .with_root_path(&self.state_root)
-                    .map_err(|source| ContainerError::Runtime {
-                        what: "state root",
-                        source,
-                    })?
-                    .with_executor(AgentExecutor)
-                    .with_console_socket(console);
-                if let Some(child) = child {
-                    builder = builder
-                        .with_stdin(child.stdin)
-                        .with_stdout(child.stdout)
-                        .with_stderr(child.stderr);
-                }
+                let builder = self.builder(id, console, child)?;
                 let mut table = reaper::processes();
                 let pid = builder
                     .as_tenant()
