@@ -3,8 +3,9 @@
 //! containerd with the `microvm` handler, and the checks that nothing of a pod remains.
 
 use crate::containerd::{ContainerdOptions, PrivateContainerd};
-use crate::cri::{CriClient, Pod};
+use crate::cri::{read_cri_log, CriClient, LogLine, Pod};
 use crate::images::PAUSE_IMAGE;
+use k8s_cri::v1::{ContainerConfig, ContainerStatus};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -236,4 +237,67 @@ pub async fn remove_pod(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod) {
     cri.stop_pod_sandbox(&pod.id).await.unwrap();
     cri.remove_pod_sandbox(&pod.id).await.unwrap();
     assert_pod_gone(ctrd, &pod.id, Duration::from_secs(20));
+}
+
+/// A container run to its end: its final CRI status and the lines of its CRI log.
+pub struct Exited {
+    pub id: String,
+    pub status: ContainerStatus,
+    pub log: Vec<LogLine>,
+}
+
+impl Exited {
+    /// The text of every log line, stdout and stderr.
+    pub fn lines(&self) -> Vec<String> {
+        self.log.iter().map(|l| l.text.clone()).collect()
+    }
+
+    /// The text of the stdout lines.
+    pub fn stdout(&self) -> Vec<String> {
+        self.log
+            .iter()
+            .filter(|l| l.stream == "stdout")
+            .map(|l| l.text.clone())
+            .collect()
+    }
+}
+
+/// Creates `config` in `pod`, starts it and waits up to `timeout` for its exit (panicking with
+/// containerd's log on a failed call). The container is left for the caller to inspect and remove.
+pub async fn run_container_to_exit(
+    ctrd: &PrivateContainerd,
+    cri: &CriClient,
+    pod: &Pod,
+    config: ContainerConfig,
+    timeout: Duration,
+) -> Exited {
+    let name = config
+        .metadata
+        .as_ref()
+        .map(|m| m.name.clone())
+        .unwrap_or_default();
+    let id = cri.create_container(pod, config).await.unwrap_or_else(|e| {
+        panic!(
+            "CreateContainer {name}: {e}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        )
+    });
+    cri.start_container(&id).await.unwrap_or_else(|e| {
+        panic!(
+            "StartContainer {name}: {e}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        )
+    });
+    let status = cri
+        .wait_container_exited(&id, timeout)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "container {name}: {e}\ncontainerd log:\n{}",
+                ctrd.log_tail()
+            )
+        });
+    let log = read_cri_log(Path::new(&status.log_path))
+        .unwrap_or_else(|e| panic!("the CRI log of {name}: {e}"));
+    Exited { id, status, log }
 }

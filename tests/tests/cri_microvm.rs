@@ -6,6 +6,7 @@
 //! After each pod: no shim, QEMU, vhost-device-vsock or virtiofsd process, no state directory
 //! (/run/microvm/<pod-id>), no mount under it and no shim socket remain.
 
+use microvm_tests::containerd::PrivateContainerd;
 use microvm_tests::cri::CriClient;
 use microvm_tests::microvm_pods::*;
 use std::collections::HashMap;
@@ -190,33 +191,29 @@ async fn kvm_backend_runs_the_pod_or_fails_fast_with_check_hosts_reason() {
 /// the agent, output in the CRI log, exact exit code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn microvm_app_container_runs_with_output_and_exit_code() {
-    use microvm_tests::cri::{container_config, read_cri_log};
+    use microvm_tests::cri::container_config;
     use microvm_tests::images::BUSYBOX_IMAGE;
     let _serial = SERIAL.lock().await;
     let (_dir, _config, ctrd, cri) = start_with_busybox().await;
     let pod = run_pod(&ctrd, &cri, "microvm-app").await;
-    let exits = cri
-        .create_container(
-            &pod,
-            container_config("exit3", BUSYBOX_IMAGE, &["sh", "-c", "echo hello; exit 3"]),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    cri.start_container(&exits)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    let status = cri
-        .wait_container_exited(&exits, Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(status.exit_code, 3, "{status:?}");
-    let log = read_cri_log(Path::new(&status.log_path)).unwrap();
+    let exits = run_container_to_exit(
+        &ctrd,
+        &cri,
+        &pod,
+        container_config("exit3", BUSYBOX_IMAGE, &["sh", "-c", "echo hello; exit 3"]),
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(exits.status.exit_code, 3, "{:?}", exits.status);
     assert!(
-        log.iter()
+        exits
+            .log
+            .iter()
             .any(|l| l.stream == "stdout" && l.text == "hello"),
-        "{log:?}"
+        "{:?}",
+        exits.log
     );
-    cri.remove_container(&exits).await.unwrap();
+    cri.remove_container(&exits.id).await.unwrap();
     remove_pod(&ctrd, &cri, &pod).await;
 }
 
@@ -252,32 +249,18 @@ async fn an_unknown_config_key_fails_run_pod_sandbox_naming_it_and_leaks_nothing
 /// Runs a busybox container `name` in `pod` with `command`, waits for its exit and returns its
 /// stdout lines and exit code; the container is removed.
 async fn run_to_exit(
+    ctrd: &PrivateContainerd,
     cri: &CriClient,
     pod: &microvm_tests::cri::Pod,
     name: &str,
     command: &[&str],
 ) -> (Vec<String>, i32) {
-    use microvm_tests::cri::{container_config, read_cri_log};
+    use microvm_tests::cri::container_config;
     use microvm_tests::images::BUSYBOX_IMAGE;
-    let id = cri
-        .create_container(pod, container_config(name, BUSYBOX_IMAGE, command))
-        .await
-        .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}"));
-    cri.start_container(&id)
-        .await
-        .unwrap_or_else(|e| panic!("StartContainer {name}: {e}"));
-    let status = cri
-        .wait_container_exited(&id, Duration::from_secs(60))
-        .await
-        .unwrap();
-    let lines = read_cri_log(Path::new(&status.log_path))
-        .unwrap()
-        .into_iter()
-        .filter(|l| l.stream == "stdout")
-        .map(|l| l.text)
-        .collect();
-    cri.remove_container(&id).await.unwrap();
-    (lines, status.exit_code)
+    let config = container_config(name, BUSYBOX_IMAGE, command);
+    let exited = run_container_to_exit(ctrd, cri, pod, config, Duration::from_secs(60)).await;
+    cri.remove_container(&exited.id).await.unwrap();
+    (exited.stdout(), exited.status.exit_code)
 }
 
 /// Two containers of one pod run in the same VM (the same guest boot id); another pod gets its
@@ -296,8 +279,8 @@ async fn containers_of_a_pod_share_its_vm_and_pods_do_not() {
             .run_pod_sandbox(ctrd.pod_config(name, HashMap::new()).unwrap(), "microvm")
             .await
             .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-        let (first, code1) = run_to_exit(&cri, &pod, "first", &boot_id).await;
-        let (second, code2) = run_to_exit(&cri, &pod, "second", &boot_id).await;
+        let (first, code1) = run_to_exit(&ctrd, &cri, &pod, "first", &boot_id).await;
+        let (second, code2) = run_to_exit(&ctrd, &cri, &pod, "second", &boot_id).await;
         assert_eq!((code1, code2), (0, 0));
         assert_eq!(first.len(), 1, "{first:?}");
         assert_eq!(
@@ -349,7 +332,7 @@ async fn a_missing_entrypoint_fails_start_container_naming_it() {
     assert!(took < Duration::from_secs(30), "took {took:?}");
     eprintln!("missing entrypoint: StartContainer failed in {took:?}: {err}");
     // The pod still runs containers.
-    let (out, code) = run_to_exit(&cri, &pod, "after", &["echo", "still here"]).await;
+    let (out, code) = run_to_exit(&ctrd, &cri, &pod, "after", &["echo", "still here"]).await;
     assert_eq!((out, code), (vec!["still here".to_string()], 0));
     cri.remove_container(&id).await.unwrap();
     remove_pod(&ctrd, &cri, &pod).await;
@@ -403,22 +386,8 @@ async fn the_containers_spec_applies_inside_the_guest() {
             ..Default::default()
         }),
     });
-    let id = cri
-        .create_container(&pod, cfg)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    cri.start_container(&id)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    let status = cri
-        .wait_container_exited(&id, Duration::from_secs(60))
-        .await
-        .unwrap();
-    let out: Vec<String> = microvm_tests::cri::read_cri_log(Path::new(&status.log_path))
-        .unwrap()
-        .into_iter()
-        .map(|l| l.text)
-        .collect();
+    let exited = run_container_to_exit(&ctrd, &cri, &pod, cfg, Duration::from_secs(60)).await;
+    let (id, status, out) = (exited.id.clone(), exited.status.clone(), exited.lines());
     assert_eq!(status.exit_code, 0, "{out:?}");
     let expected = [
         "uid=1000 gid=3000",
@@ -525,20 +494,10 @@ async fn containers_share_the_pods_pid_namespace_only_when_asked() {
             "pid1=self",
         ),
     ] {
-        let id = cri
-            .create_container(&pod, with_pid_mode(name, &["sh", "-c", look], mode))
-            .await
-            .unwrap();
-        cri.start_container(&id).await.unwrap();
-        let status = cri
-            .wait_container_exited(&id, Duration::from_secs(60))
-            .await
-            .unwrap();
-        let out: Vec<String> = microvm_tests::cri::read_cri_log(Path::new(&status.log_path))
-            .unwrap()
-            .into_iter()
-            .map(|l| l.text)
-            .collect();
+        let config = with_pid_mode(name, &["sh", "-c", look], mode);
+        let exited =
+            run_container_to_exit(&ctrd, &cri, &pod, config, Duration::from_secs(60)).await;
+        let (id, out) = (exited.id.clone(), exited.lines());
         assert!(out.iter().any(|l| l == sleepers), "{name}: {out:?}");
         assert!(out.iter().any(|l| l == pid1), "{name}: {out:?}");
         cri.remove_container(&id).await.unwrap();

@@ -11,7 +11,6 @@ use microvm_tests::containerd::PrivateContainerd;
 use microvm_tests::cri::{container_config, CriClient, Pod};
 use microvm_tests::images::BUSYBOX_IMAGE;
 use microvm_tests::microvm_pods::*;
-use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
@@ -435,13 +434,7 @@ async fn an_oom_kill_in_the_guest_reaches_cri_as_oomkilled() {
     use microvm_tests::cri::v1::{LinuxContainerConfig, LinuxContainerResources};
     let _serial = SERIAL.lock().await;
     let (_dir, _config, ctrd, cri) = start_with_busybox().await;
-    let pod = cri
-        .run_pod_sandbox(
-            ctrd.pod_config("microvm-exec-oom", HashMap::new()).unwrap(),
-            "microvm",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let pod = run_pod(&ctrd, &cri, "microvm-exec-oom").await;
     let mut config = container_config(
         "hog",
         BUSYBOX_IMAGE,
@@ -454,17 +447,8 @@ async fn an_oom_kill_in_the_guest_reaches_cri_as_oomkilled() {
         }),
         ..Default::default()
     });
-    let id = cri
-        .create_container(&pod, config)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    cri.start_container(&id)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
-    let status = cri
-        .wait_container_exited(&id, Duration::from_secs(120))
-        .await
-        .unwrap();
+    let exited = run_container_to_exit(&ctrd, &cri, &pod, config, Duration::from_secs(120)).await;
+    let (id, status) = (exited.id, exited.status);
     assert_eq!(status.exit_code, 137, "{status:?}");
     // The TaskOOM event may reach containerd just after the exit.
     let deadline = Instant::now() + Duration::from_secs(15);
