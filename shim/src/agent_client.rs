@@ -100,9 +100,7 @@ pub enum AgentError {
 pub fn describe_rpc_error(err: &ttrpc::Error) -> String {
     match err {
         ttrpc::Error::RpcStatus(status) => status.message().to_string(),
-        ttrpc::Error::Others(m) if m.contains("imeout") => {
-            format!("the agent did not reply in time ({m})")
-        }
+        other if is_timeout(other) => format!("the agent did not reply in time ({other})"),
         other => other.to_string(),
     }
 }

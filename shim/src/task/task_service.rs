@@ -462,15 +462,15 @@ impl TaskService {
         };
         let id = req.id.clone();
         let bundle_rootfs = PathBuf::from(&req.bundle).join("rootfs");
-        let created =
-            tokio::task::spawn_blocking(move || -> Result<(u32, stdio::Attached), String> {
+        let created = tokio::task::spawn_blocking(
+            move || -> Result<(u32, stdio::Attached), CreateFailure> {
                 share::share_container(&state, &id, &rootfs, &bundle_rootfs, &binds)
-                    .map_err(|e| e.to_string())?;
-                let undo = |msg: String| {
+                    .map_err(|e| CreateFailure::from(e.to_string()))?;
+                let undo = |failure: CreateFailure| {
                     let _ = share::unshare_container(&state, &id);
-                    msg
+                    failure
                 };
-                let json = serde_json::to_vec(&spec).map_err(|e| undo(e.to_string()))?;
+                let json = serde_json::to_vec(&spec).map_err(|e| undo(e.to_string().into()))?;
                 let request = agent_protocol::agent::CreateContainerRequest {
                     container_id: id.clone(),
                     oci_spec_json: json,
@@ -484,31 +484,35 @@ impl TaskService {
                     .into(),
                     ..Default::default()
                 };
-                let pid = agent
-                    .create_container(&request)
-                    .map_err(|e| undo(e.to_string()))?;
+                let pid = agent.create_container(&request).map_err(|e| {
+                    undo(CreateFailure {
+                        message: e.to_string(),
+                        timed_out: e.is_timeout(),
+                    })
+                })?;
                 match stdio::attach(&socket, &id, "", &fifos) {
                     Ok(attached) => Ok((pid, attached)),
                     Err(e) => {
                         let _ = agent.remove_container(&id);
-                        Err(undo(e.to_string()))
+                        Err(undo(e.to_string().into()))
                     }
                 }
-            })
-            .await
-            .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
+            },
+        )
+        .await
+        .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
         let stdin_fifo = req.stdin.clone();
-        let (pid, attached) = created.map_err(|e| {
+        let (pid, attached) = created.map_err(|CreateFailure { message, timed_out }| {
             let tail = crate::guest_vm::console_tail(&console, CONSOLE_TAIL_LINES);
             log::warn!(
-                "creating container {} failed: {e}; guest console ends with:\n{tail}",
+                "creating container {} failed: {message}; guest console ends with:\n{tail}",
                 req.id
             );
             // A timeout says nothing by itself: the guest's last words go to the user too.
-            let detail = if e.contains("did not reply in time") {
-                format!("{e}; guest console ends with:\n{tail}")
+            let detail = if timed_out {
+                format!("{message}; guest console ends with:\n{tail}")
             } else {
-                e
+                message
             };
             status(
                 Code::UNKNOWN,
@@ -587,6 +591,22 @@ impl TaskService {
             .get(id)
             .map(|c| c.exit.clone())
             .ok_or_else(|| not_found(id))
+    }
+}
+
+/// Why creating an app container failed, and whether the agent only did not answer in time
+/// (then the guest console says more than the error).
+struct CreateFailure {
+    message: String,
+    timed_out: bool,
+}
+
+impl From<String> for CreateFailure {
+    fn from(message: String) -> Self {
+        CreateFailure {
+            message,
+            timed_out: false,
+        }
     }
 }
 
