@@ -63,21 +63,12 @@ impl GuestSpec {
             }
         }
         if let Some(name) = &self.hostname {
-            if is_hostname(name) {
+            if agent_protocol::is_valid_hostname(name) {
                 words.push(format!("microvm.hostname={name}"));
             }
         }
         words.join(" ")
     }
-}
-
-/// A hostname the guest accepts (guest-agent/src/init/hostname.rs): 1..=64 of [A-Za-z0-9.-].
-fn is_hostname(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
 }
 
 /// A host directory exported to the guest over virtio-fs: the embedded VMM's own device, or

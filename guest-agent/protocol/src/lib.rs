@@ -23,6 +23,21 @@ pub const GUEST_SHARED_DIR: &str = "/run/microvm-shared";
 
 pub mod stdio;
 
+/// Longest hostname Linux accepts (HOST_NAME_MAX).
+pub const HOST_NAME_MAX: usize = 64;
+
+/// Whether `name` is a hostname the guest takes from `microvm.hostname=` on its kernel command
+/// line: 1 to [`HOST_NAME_MAX`] bytes of ASCII letters, digits, `-` and `.` (so it can never
+/// add a word or an option to the command line). The shim checks before passing one; the agent
+/// checks what it reads.
+pub fn is_valid_hostname(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= HOST_NAME_MAX
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+}
+
 #[cfg(test)]
 mod tests {
     use super::agent::{CheckResponse, ShutdownResponse};

@@ -7,9 +7,6 @@ pub const DEFAULT_HOSTNAME: &str = "microvm";
 
 const CMDLINE_KEY: &str = "microvm.hostname=";
 
-/// Longest hostname Linux accepts (HOST_NAME_MAX).
-const HOST_NAME_MAX: usize = 64;
-
 #[derive(Debug, thiserror::Error)]
 pub enum HostnameError {
     #[error("setting hostname {name:?}: {source}")]
@@ -22,15 +19,7 @@ pub fn from_cmdline(cmdline: &str) -> Option<&str> {
         .split_ascii_whitespace()
         .filter_map(|word| word.strip_prefix(CMDLINE_KEY))
         .next_back()
-        .filter(|name| is_valid(name))
-}
-
-fn is_valid(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= HOST_NAME_MAX
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        .filter(|name| agent_protocol::is_valid_hostname(name))
 }
 
 /// Sets the hostname. Only for PID 1 (callers go through [`super::setup_system`]).
