@@ -23,6 +23,7 @@ use libcontainer::workload::default::DefaultExecutor;
 use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Process, Spec};
 
+use crate::pod_namespace::POD_PID_NAMESPACE;
 use crate::reaper::{self, ExitCell};
 use crate::stdio::{StreamLookup, Streams};
 
@@ -331,41 +332,45 @@ impl Containers {
         if let Some(namespaces) = linux.namespaces().clone() {
             let mut out = Vec::with_capacity(namespaces.len());
             for mut ns in namespaces {
-                let path = ns.path().as_ref().and_then(|p| p.to_str());
-                if path == Some(crate::pod_namespace::POD_PID_NAMESPACE) {
-                    if ns.typ() != LinuxNamespaceType::Pid {
-                        return Err(ContainerError::Spec(format!(
-                            "namespace path {} is only for the pid namespace",
-                            crate::pod_namespace::POD_PID_NAMESPACE
-                        )));
-                    }
-                    let shared = crate::pod_namespace::pid_namespace_path()
-                        .map_err(io_err("starting the pod's PID namespace"))?;
-                    ns.set_path(Some(shared));
-                    out.push(ns);
-                    continue;
-                }
-                let target = ns
+                let path = ns
                     .path()
                     .as_ref()
                     .and_then(|p| p.to_str())
-                    .and_then(|p| p.strip_prefix("container:"))
                     .map(str::to_owned);
-                if let Some(other) = target {
-                    let pid = self
-                        .entry(&other)
-                        .ok()
-                        .and_then(|e| e.init.pid())
-                        .filter(|_| true)
-                        .ok_or_else(|| {
-                            ContainerError::Spec(format!(
-                                "namespace path container:{other}: no such running container"
-                            ))
-                        })?;
-                    ns.set_path(Some(PathBuf::from(format!(
-                        "/proc/{pid}/ns/{}",
-                        ns_file(ns.typ())
-                    ))));
+                let resolved = match path.as_deref() {
+                    Some(POD_PID_NAMESPACE) => {
+                        if ns.typ() != LinuxNamespaceType::Pid {
+                            return Err(ContainerError::Spec(format!(
+                                "namespace path {POD_PID_NAMESPACE} is only for the pid namespace"
+                            )));
+                        }
+                        Some(
+                            crate::pod_namespace::pid_namespace_path()
+                                .map_err(io_err("starting the pod's PID namespace"))?,
+                        )
+                    }
+                    Some(p) => match p.strip_prefix("container:") {
+                        Some(other) => {
+                            let pid = self
+                                .entry(other)
+                                .ok()
+                                .and_then(|e| e.init.pid())
+                                .ok_or_else(|| {
+                                    ContainerError::Spec(format!(
+                                        "namespace path container:{other}: no such running container"
+                                    ))
+                                })?;
+                            Some(PathBuf::from(format!(
+                                "/proc/{pid}/ns/{}",
+                                ns_file(ns.typ())
+                            )))
+                        }
+                        None => None,
+                    },
+                    None => None,
+                };
+                if let Some(resolved) = resolved {
+                    ns.set_path(Some(resolved));
                 }
                 out.push(ns);
             }

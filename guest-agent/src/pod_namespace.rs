@@ -15,8 +15,7 @@ use nix::sched::CloneFlags;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
-/// The namespace path the shim writes for "the pod's PID namespace".
-pub const POD_PID_NAMESPACE: &str = "pod:pid";
+pub use agent_protocol::POD_PID_NAMESPACE;
 
 /// Stack of the holder's first instructions (it runs only `wait` and `sleep`).
 const HOLDER_STACK: usize = 64 * 1024;

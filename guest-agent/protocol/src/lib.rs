@@ -21,6 +21,11 @@ pub const SHARED_FS_TAG: &str = "microvm-shared";
 /// `<GUEST_SHARED_DIR>/<container id>/rootfs`.
 pub const GUEST_SHARED_DIR: &str = "/run/microvm-shared";
 
+/// The namespace path, in a container's spec, that means "the pod's shared PID namespace": the
+/// shim writes it for the sandbox's `/proc/<pid>/ns/pid`, the agent resolves it to its pod PID
+/// namespace.
+pub const POD_PID_NAMESPACE: &str = "pod:pid";
+
 pub mod stdio;
 
 /// Longest hostname Linux accepts (HOST_NAME_MAX).

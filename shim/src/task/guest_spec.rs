@@ -20,7 +20,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-pub use agent_protocol::{GUEST_SHARED_DIR, SHARED_FS_TAG};
+pub use agent_protocol::{GUEST_SHARED_DIR, POD_PID_NAMESPACE, SHARED_FS_TAG};
 
 /// A host path to bind-mount into the shared directory, at `shared/<relative>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,10 +44,6 @@ pub enum SpecError {
 pub fn guest_rootfs(cid: &str) -> String {
     format!("{GUEST_SHARED_DIR}/{cid}/rootfs")
 }
-
-/// The namespace path that tells the agent "the pod's shared PID namespace"
-/// (guest-agent/src/pod_namespace.rs).
-pub const POD_PID_NAMESPACE: &str = "pod:pid";
 
 /// Rewrites `spec` for the guest; returns the host paths to share first. `sandbox_pid` is the
 /// pid the shim gave containerd for the pod's sandbox: a PID namespace path of
