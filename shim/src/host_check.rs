@@ -16,8 +16,16 @@ use kvm_ioctls::{Cap, Kvm};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum KvmKind {
-    /// Hardware virtualization (Intel VMX or AMD SVM) behind kvm_intel / kvm_amd.
+    /// Hardware virtualization (Intel VMX or AMD SVM) behind kvm_intel / kvm_amd, on bare metal:
+    /// the CPU has no `hypervisor` flag.
     Hardware,
+    /// VMX/SVM offered by the hypervisor this host itself runs under (nested virtualization,
+    /// e.g. a cloud VM with nested virtualization turned on): the CPU has the `hypervisor` flag.
+    Nested,
+    /// AMD SVM emulated in software by QEMU's TCG: this host is a VM of `qemu-system-x86_64
+    /// -accel tcg -cpu max` (the nested lane of design.md 3b). Boots stock Linux guests, with
+    /// every guest instruction emulated.
+    SvmEmulatedByQemuTcg,
     /// kvm-pvm: the Pagetable-based Virtual Machine, a software nested hypervisor.
     Pvm,
     /// A `/dev/kvm` of a kind not recognised (it may work; nothing is promised).
@@ -26,16 +34,43 @@ pub enum KvmKind {
     None,
 }
 
+impl KvmKind {
+    /// What the kind is, in words, for the `kvm:` line of `microvm check-host`.
+    pub fn description(self) -> &'static str {
+        match self {
+            KvmKind::Hardware => "hardware virtualization on bare metal",
+            KvmKind::Nested => {
+                "nested virtualization: VMX/SVM from the hypervisor this host runs under"
+            }
+            KvmKind::SvmEmulatedByQemuTcg => "SVM emulated by QEMU (nested, TCG)",
+            KvmKind::Pvm => {
+                "Pagetable-based Virtual Machine, a software nested hypervisor without VMX/SVM"
+            }
+            KvmKind::Unknown => "a /dev/kvm of a kind not recognised",
+            KvmKind::None => "no usable KVM",
+        }
+    }
+}
+
 impl fmt::Display for KvmKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // As the JSON names (serde's kebab-case), but kvm-pvm's full name for `Pvm` ("pvm" in
+        // JSON, kept as it was).
         f.write_str(match self {
             KvmKind::Hardware => "hardware",
+            KvmKind::Nested => "nested",
+            KvmKind::SvmEmulatedByQemuTcg => "svm-emulated-by-qemu-tcg",
             KvmKind::Pvm => "kvm-pvm",
             KvmKind::Unknown => "unknown",
             KvmKind::None => "none",
         })
     }
 }
+
+/// How the model name of QEMU's `max` CPU under TCG begins: target/i386/cpu.c
+/// `max_x86_cpu_initfn` sets `"QEMU TCG CPU version " QEMU_HW_VERSION`, which Debian 12's QEMU
+/// 7.2 shows as `QEMU TCG CPU version 2.5+`. Under KVM, `-cpu max` shows the host's model instead.
+pub const QEMU_TCG_MODEL_PREFIX: &str = "QEMU TCG CPU version";
 
 /// The KVM capabilities the embedded VMM relies on, with their names for messages.
 pub const REQUIRED_CAPS: &[(Cap, &str)] = &[
@@ -88,7 +123,7 @@ impl HostReport {
 
     /// Whether the checked Linux guest kernel can boot under the embedded VMM here.
     pub fn linux_guest_bootable(&self) -> bool {
-        self.vmm_usable() && self.kernel.as_ref().is_some_and(|k| k.bootable)
+        self.linux_guest_blocker().is_none()
     }
 
     /// The one-line reason a Linux guest cannot boot under the embedded VMM here, if it cannot.
@@ -112,7 +147,12 @@ impl HostReport {
     /// The human-readable lines `microvm check-host` prints.
     pub fn lines(&self) -> Vec<String> {
         let mut out = Vec::new();
-        out.push(format!("kvm: {} ({})", self.kvm_kind, self.kvm_reason));
+        out.push(format!(
+            "kvm: {} ({}: {})",
+            self.kvm_kind,
+            self.kvm_kind.description(),
+            self.kvm_reason
+        ));
         if let Some(v) = self.api_version {
             out.push(format!("kvm api version: {v}"));
         }
@@ -170,6 +210,52 @@ pub fn kvm_kind() -> (KvmKind, String) {
     )
 }
 
+/// What /proc/cpuinfo says about the CPU, as far as telling the KVM kind goes.
+#[derive(Debug, Default)]
+struct CpuInfo {
+    /// The flags of the first processor.
+    flags: Vec<String>,
+    /// The model name of the first processor.
+    model_name: Option<String>,
+}
+
+impl CpuInfo {
+    fn parse(text: &str) -> CpuInfo {
+        let mut info = CpuInfo::default();
+        for line in text.lines() {
+            let Some((key, value)) = line.split_once(':') else {
+                continue;
+            };
+            match key.trim() {
+                "flags" if info.flags.is_empty() => {
+                    info.flags = value.split_whitespace().map(str::to_owned).collect();
+                }
+                "model name" if info.model_name.is_none() => {
+                    info.model_name = Some(value.trim().to_owned());
+                }
+                _ => {}
+            }
+        }
+        info
+    }
+
+    fn has_flag(&self, flag: &str) -> bool {
+        self.flags.iter().any(|f| f == flag)
+    }
+
+    fn is_qemu_tcg_model(&self) -> bool {
+        self.model_name
+            .as_deref()
+            .is_some_and(|m| m.starts_with(QEMU_TCG_MODEL_PREFIX))
+    }
+}
+
+/// The hardware virtualization extensions KVM has modules for: (module, cpuinfo flag, name).
+const VIRT_EXTENSIONS: [(&str, &str, &str); 2] = [
+    ("kvm_intel", "vmx", "Intel VMX"),
+    ("kvm_amd", "svm", "AMD SVM"),
+];
+
 fn kvm_kind_from(sys_module: &Path, cpuinfo: &Path, dev_kvm: &Path) -> (KvmKind, String) {
     if !dev_kvm.exists() {
         return (
@@ -178,32 +264,76 @@ fn kvm_kind_from(sys_module: &Path, cpuinfo: &Path, dev_kvm: &Path) -> (KvmKind,
         );
     }
     if sys_module.join("kvm_pvm").exists() {
-        return (
-            KvmKind::Pvm,
-            "kvm_pvm is loaded: a software nested hypervisor, no VMX/SVM".to_string(),
-        );
+        return (KvmKind::Pvm, "kvm_pvm is loaded".to_string());
     }
-    let flags = fs::read_to_string(cpuinfo).unwrap_or_default();
-    let has_flag = |f: &str| {
-        flags
-            .lines()
-            .filter(|l| l.starts_with("flags"))
-            .any(|l| l.split_whitespace().any(|w| w == f))
+    let cpu = match fs::read_to_string(cpuinfo) {
+        Ok(text) => CpuInfo::parse(&text),
+        Err(e) => {
+            return (
+                KvmKind::Unknown,
+                format!(
+                    "kvm_pvm is not loaded and {} cannot be read: {e}",
+                    cpuinfo.display()
+                ),
+            )
+        }
     };
-    for (module, flag, vendor) in [
-        ("kvm_intel", "vmx", "Intel VMX"),
-        ("kvm_amd", "svm", "AMD SVM"),
-    ] {
-        if sys_module.join(module).exists() && has_flag(flag) {
+    let model = cpu.model_name.as_deref().unwrap_or("not given");
+    for (module, flag, name) in VIRT_EXTENSIONS {
+        if !(sys_module.join(module).exists() && cpu.has_flag(flag)) {
+            continue;
+        }
+        if !cpu.has_flag("hypervisor") {
             return (
                 KvmKind::Hardware,
-                format!("{module} is loaded, CPU has {vendor}"),
+                format!("{module} is loaded, CPU has {name} and no hypervisor flag"),
             );
         }
+        // QEMU's TCG emulates SVM only (no VMX), so only kvm_amd can sit on it.
+        if flag == "svm" && cpu.is_qemu_tcg_model() {
+            return (
+                KvmKind::SvmEmulatedByQemuTcg,
+                format!(
+                    "{module} is loaded, CPU has {name} and the hypervisor flag, model name \
+                     \"{model}\" (QEMU's max CPU under TCG): every instruction, the guest's \
+                     too, is emulated in software"
+                ),
+            );
+        }
+        return (
+            KvmKind::Nested,
+            format!(
+                "{module} is loaded, CPU has {name} and the hypervisor flag, model name \"{model}\""
+            ),
+        );
     }
+    let found = |names: Vec<&str>| {
+        if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        }
+    };
+    let loaded = found(
+        VIRT_EXTENSIONS
+            .iter()
+            .map(|(m, _, _)| *m)
+            .filter(|m| sys_module.join(m).exists())
+            .collect(),
+    );
+    let flags = found(
+        VIRT_EXTENSIONS
+            .iter()
+            .map(|(_, f, _)| *f)
+            .filter(|f| cpu.has_flag(f))
+            .collect(),
+    );
     (
         KvmKind::Unknown,
-        "neither kvm_intel, kvm_amd nor kvm_pvm is loaded".to_string(),
+        format!(
+            "no kvm_pvm, and no kvm_intel with VMX or kvm_amd with SVM (kvm_intel/kvm_amd \
+             loaded: {loaded}; vmx/svm in the CPU flags: {flags})"
+        ),
     )
 }
 
@@ -267,6 +397,19 @@ pub fn check_kernel(kind: KvmKind, kernel: &Path) -> KernelReport {
             pvm,
             true,
             "hardware virtualization boots a stock Linux guest".to_string(),
+        ),
+        KvmKind::Nested => report(
+            pvm,
+            true,
+            "nested virtualization (VMX/SVM from the outer hypervisor) boots a stock Linux guest"
+                .to_string(),
+        ),
+        KvmKind::SvmEmulatedByQemuTcg => report(
+            pvm,
+            true,
+            "QEMU's TCG emulation of SVM boots a stock Linux guest, slowly: every guest \
+             instruction is emulated (design.md 3b)"
+                .to_string(),
         ),
         KvmKind::Pvm => match pvm {
             Some(true) => report(
@@ -341,21 +484,175 @@ mod tests {
         d
     }
 
+    /// A /proc/cpuinfo of one processor with this model name and these flags.
+    fn cpuinfo(model: &str, flags: &str) -> String {
+        format!(
+            "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: {model}\n\
+             flags\t\t: fpu vme de pse {flags} sse sse2\n\nprocessor\t: 1\n\
+             model name\t: {model}\nflags\t\t: fpu vme de pse {flags} sse sse2\n"
+        )
+    }
+
+    const TCG_MODEL: &str = "QEMU TCG CPU version 2.5+";
+
     #[test]
     fn tells_kinds_apart() {
         let d = tmp("kinds");
         let modules = d.join("module");
-        let cpuinfo = d.join("cpuinfo");
+        let cpu = d.join("cpuinfo");
         let kvm = d.join("kvm");
-        assert_eq!(kvm_kind_from(&modules, &cpuinfo, &kvm).0, KvmKind::None);
+        let kind = || kvm_kind_from(&modules, &cpu, &kvm).0;
+        assert_eq!(kind(), KvmKind::None);
         fs::write(&kvm, "").unwrap();
         fs::create_dir_all(modules.join("kvm_intel")).unwrap();
-        fs::write(&cpuinfo, "flags\t\t: fpu vme\n").unwrap();
-        assert_eq!(kvm_kind_from(&modules, &cpuinfo, &kvm).0, KvmKind::Unknown);
-        fs::write(&cpuinfo, "flags\t\t: fpu vmx sse\n").unwrap();
-        assert_eq!(kvm_kind_from(&modules, &cpuinfo, &kvm).0, KvmKind::Hardware);
+        fs::write(&cpu, cpuinfo("Intel Xeon", "")).unwrap();
+        assert_eq!(kind(), KvmKind::Unknown);
+        // Bare metal: VMX and no hypervisor flag.
+        fs::write(&cpu, cpuinfo("Intel Xeon", "vmx")).unwrap();
+        assert_eq!(kind(), KvmKind::Hardware);
+        // A cloud VM with nested virtualization.
+        fs::write(&cpu, cpuinfo("Intel Xeon", "vmx hypervisor")).unwrap();
+        assert_eq!(kind(), KvmKind::Nested);
+        fs::remove_dir_all(modules.join("kvm_intel")).unwrap();
+        fs::create_dir_all(modules.join("kvm_amd")).unwrap();
+        fs::write(&cpu, cpuinfo("AMD EPYC 7B13", "svm")).unwrap();
+        assert_eq!(kind(), KvmKind::Hardware);
+        fs::write(&cpu, cpuinfo("AMD EPYC 7B13", "svm hypervisor")).unwrap();
+        assert_eq!(kind(), KvmKind::Nested);
+        // The nested lane: QEMU's max CPU under TCG.
+        fs::write(&cpu, cpuinfo(TCG_MODEL, "svm hypervisor")).unwrap();
+        assert_eq!(kind(), KvmKind::SvmEmulatedByQemuTcg);
+        // Without kvm_amd the emulated SVM is not KVM's.
+        fs::remove_dir_all(modules.join("kvm_amd")).unwrap();
+        assert_eq!(kind(), KvmKind::Unknown);
+        fs::create_dir_all(modules.join("kvm_amd")).unwrap();
         fs::create_dir_all(modules.join("kvm_pvm")).unwrap();
-        assert_eq!(kvm_kind_from(&modules, &cpuinfo, &kvm).0, KvmKind::Pvm);
+        assert_eq!(kind(), KvmKind::Pvm);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// The `kvm:` line check-host prints for the kind told from these files.
+    fn kvm_line(modules: &[&str], cpu: Option<&str>, dev_kvm: bool) -> (KvmKind, String) {
+        let d = tmp(&format!("line-{}", modules.join("-")));
+        for m in modules {
+            fs::create_dir_all(d.join("module").join(m)).unwrap();
+        }
+        if let Some(text) = cpu {
+            fs::write(d.join("cpuinfo"), text).unwrap();
+        }
+        if dev_kvm {
+            fs::write(d.join("kvm"), "").unwrap();
+        }
+        let (kind, reason) = kvm_kind_from(&d.join("module"), &d.join("cpuinfo"), &d.join("kvm"));
+        let line = HostReport {
+            kvm_kind: kind,
+            kvm_reason: reason,
+            api_version: None,
+            missing_caps: vec![],
+            max_vcpus: None,
+            kernel: None,
+        }
+        .lines()
+        .remove(0);
+        fs::remove_dir_all(&d).unwrap();
+        (kind, line.replace(&d.display().to_string(), "<dir>"))
+    }
+
+    #[test]
+    fn kvm_line_names_each_kind_truthfully() {
+        let cases = [
+            (
+                kvm_line(&["kvm_intel"], Some(&cpuinfo("Intel Xeon", "vmx")), true),
+                KvmKind::Hardware,
+                "kvm: hardware (hardware virtualization on bare metal: kvm_intel is loaded, CPU \
+                 has Intel VMX and no hypervisor flag)",
+            ),
+            (
+                kvm_line(
+                    &["kvm_amd"],
+                    Some(&cpuinfo("AMD EPYC 7B13", "svm hypervisor")),
+                    true,
+                ),
+                KvmKind::Nested,
+                "kvm: nested (nested virtualization: VMX/SVM from the hypervisor this host runs \
+                 under: kvm_amd is loaded, CPU has AMD SVM and the hypervisor flag, model name \
+                 \"AMD EPYC 7B13\")",
+            ),
+            (
+                kvm_line(
+                    &["kvm_amd"],
+                    Some(&cpuinfo(TCG_MODEL, "svm hypervisor")),
+                    true,
+                ),
+                KvmKind::SvmEmulatedByQemuTcg,
+                "kvm: svm-emulated-by-qemu-tcg (SVM emulated by QEMU (nested, TCG): kvm_amd is \
+                 loaded, CPU has AMD SVM and the hypervisor flag, model name \"QEMU TCG CPU \
+                 version 2.5+\" (QEMU's max CPU under TCG): every instruction, the guest's too, \
+                 is emulated in software)",
+            ),
+            (
+                kvm_line(
+                    &["kvm_pvm"],
+                    Some(&cpuinfo("Intel Xeon", "hypervisor")),
+                    true,
+                ),
+                KvmKind::Pvm,
+                "kvm: kvm-pvm (Pagetable-based Virtual Machine, a software nested hypervisor \
+                 without VMX/SVM: kvm_pvm is loaded)",
+            ),
+            (
+                kvm_line(
+                    &["kvm_intel"],
+                    Some(&cpuinfo("Intel Xeon", "hypervisor")),
+                    true,
+                ),
+                KvmKind::Unknown,
+                "kvm: unknown (a /dev/kvm of a kind not recognised: no kvm_pvm, and no kvm_intel \
+                 with VMX or kvm_amd with SVM (kvm_intel/kvm_amd loaded: kvm_intel; vmx/svm in \
+                 the CPU flags: none))",
+            ),
+            (
+                kvm_line(&[], None, false),
+                KvmKind::None,
+                "kvm: none (no usable KVM: <dir>/kvm does not exist)",
+            ),
+        ];
+        for ((kind, line), want_kind, want_line) in cases {
+            assert_eq!(kind, want_kind);
+            assert_eq!(line, want_line);
+        }
+        // The JSON names (`microvm check-host --json`'s `kvm_kind`).
+        for (kind, json) in [
+            (KvmKind::Hardware, "hardware"),
+            (KvmKind::Nested, "nested"),
+            (KvmKind::SvmEmulatedByQemuTcg, "svm-emulated-by-qemu-tcg"),
+            (KvmKind::Pvm, "pvm"),
+            (KvmKind::Unknown, "unknown"),
+            (KvmKind::None, "none"),
+        ] {
+            assert_eq!(serde_json::to_value(kind).unwrap(), json);
+        }
+    }
+
+    #[test]
+    fn nested_and_emulated_kinds_boot_the_stock_kernel() {
+        let d = tmp("nested-kernel");
+        let k = d.join("vmlinux");
+        fs::write(&k, b"not really a kernel").unwrap();
+        fs::write(d.join("config"), "CONFIG_64BIT=y\n").unwrap();
+        let r = check_kernel(KvmKind::Nested, &k);
+        assert!(r.bootable);
+        assert_eq!(
+            r.reason,
+            "nested virtualization (VMX/SVM from the outer hypervisor) boots a stock Linux guest"
+        );
+        let r = check_kernel(KvmKind::SvmEmulatedByQemuTcg, &k);
+        assert!(r.bootable);
+        assert_eq!(
+            r.reason,
+            "QEMU's TCG emulation of SVM boots a stock Linux guest, slowly: every guest \
+             instruction is emulated (design.md 3b)"
+        );
         fs::remove_dir_all(&d).unwrap();
     }
 

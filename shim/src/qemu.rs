@@ -23,6 +23,8 @@ use std::sync::OnceLock;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::host_check::KvmKind;
+
 /// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
 /// How often child processes and files are polled while waiting.
@@ -58,8 +60,8 @@ pub fn default_vhost_vsock_binary() -> PathBuf {
 /// Which accelerator QEMU uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {
-    /// KVM where it is hardware virtualization (VMX/SVM), TCG otherwise: kvm-pvm cannot boot a
-    /// stock Linux guest (design.md 3b).
+    /// KVM where it rests on VMX/SVM (on bare metal, nested, or SVM emulated by QEMU's TCG one
+    /// level down), TCG otherwise: kvm-pvm cannot boot a stock Linux guest (design.md 3b).
     Auto,
     /// `-accel kvm -cpu host`.
     Kvm,
@@ -71,11 +73,16 @@ impl Accel {
     /// Resolves [`Accel::Auto`] for this host.
     pub fn resolve(self) -> Accel {
         match self {
-            Accel::Auto => match crate::host_check::kvm_kind().0 {
-                crate::host_check::KvmKind::Hardware => Accel::Kvm,
-                _ => Accel::Tcg,
-            },
+            Accel::Auto => Accel::for_kvm_kind(crate::host_check::kvm_kind().0),
             other => other,
+        }
+    }
+
+    /// What [`Accel::Auto`] means on a host with this kind of KVM.
+    fn for_kvm_kind(kind: KvmKind) -> Accel {
+        match kind {
+            KvmKind::Hardware | KvmKind::Nested | KvmKind::SvmEmulatedByQemuTcg => Accel::Kvm,
+            KvmKind::Pvm | KvmKind::Unknown | KvmKind::None => Accel::Tcg,
         }
     }
 }
@@ -968,6 +975,22 @@ mod tests {
         let _ = fs::remove_dir_all(&d);
         fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn auto_accel_is_kvm_only_on_real_or_emulated_vmx_svm() {
+        for (kind, want) in [
+            (KvmKind::Hardware, Accel::Kvm),
+            (KvmKind::Nested, Accel::Kvm),
+            (KvmKind::SvmEmulatedByQemuTcg, Accel::Kvm),
+            (KvmKind::Pvm, Accel::Tcg),
+            (KvmKind::Unknown, Accel::Tcg),
+            (KvmKind::None, Accel::Tcg),
+        ] {
+            assert_eq!(Accel::for_kvm_kind(kind), want, "{kind}");
+        }
+        assert_eq!(Accel::Tcg.resolve(), Accel::Tcg);
+        assert_eq!(Accel::Kvm.resolve(), Accel::Kvm);
     }
 
     #[test]
