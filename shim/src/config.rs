@@ -26,8 +26,12 @@ pub const ANN_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Hypervisor {
-    /// The embedded VMM on /dev/kvm (the default).
+    /// The embedded VMM where `microvm check-host` says the guest kernel boots under this
+    /// host's KVM, the QEMU backend elsewhere (`host_check::choose_backend`; the default).
     #[default]
+    Auto,
+    /// The embedded VMM on /dev/kvm; a host that cannot boot the guest under it fails the pod
+    /// at once with check-host's reason.
     Kvm,
     /// Debian's QEMU `-M microvm` with vhost-device-vsock (TCG where KVM cannot boot the guest).
     Qemu,
@@ -84,7 +88,7 @@ impl Default for QemuSettings {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            hypervisor: Hypervisor::Kvm,
+            hypervisor: Hypervisor::default(),
             kernel: PathBuf::from("/usr/share/microvm/vmlinux"),
             initrd: PathBuf::from("/usr/share/microvm/initrd.cpio"),
             default_vcpus: 1,
@@ -239,6 +243,21 @@ mod tests {
         assert_eq!(c.default_vcpus, 2);
         assert_eq!(c.qemu.binary, PathBuf::from("/opt/qemu"));
         assert_eq!(c.default_memory_mib, 256);
+    }
+
+    #[test]
+    fn hypervisor_is_auto_unless_named() {
+        assert_eq!(Config::default().hypervisor, Hypervisor::Auto);
+        assert_eq!(Config::parse("").unwrap().hypervisor, Hypervisor::Auto);
+        for (text, want) in [
+            ("auto", Hypervisor::Auto),
+            ("kvm", Hypervisor::Kvm),
+            ("qemu", Hypervisor::Qemu),
+        ] {
+            let c = Config::parse(&format!("hypervisor = \"{text}\"\n")).unwrap();
+            assert_eq!(c.hypervisor, want, "{text}");
+        }
+        assert!(Config::parse("hypervisor = \"Auto\"\n").is_err());
     }
 
     #[test]

@@ -5,12 +5,16 @@
 //! guest: kvm-pvm (a software nested hypervisor) runs guest code but only boots guest kernels
 //! built with PVM guest support (design.md 3b). There the product falls back to the QEMU backend
 //! or fails fast with the reason, instead of hanging in a guest that never comes up.
+//! [`choose_backend`] is the one place that turns this answer into a backend for
+//! `hypervisor = "auto"` (the shim's default) and `microvm boot --backend auto`.
 
 use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use kvm_ioctls::{Cap, Kvm};
+
+use crate::guest_vm::Backend;
 
 /// The kind of KVM this host offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -198,6 +202,41 @@ impl HostReport {
             )),
         }
         out
+    }
+}
+
+/// Which VM backend runs Linux guests on this host when the config says `hypervisor = "auto"`
+/// (or `microvm boot --backend auto`), and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendChoice {
+    /// The backend chosen.
+    pub backend: Backend,
+    /// Why: the KVM kind when the embedded VMM can boot the guest, else check-host's blocker.
+    pub reason: String,
+}
+
+impl fmt::Display for BackendChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let backend = match self.backend {
+            Backend::Kvm => "embedded VMM",
+            Backend::Qemu => "QEMU backend",
+        };
+        write!(f, "{backend} ({})", self.reason)
+    }
+}
+
+/// Resolves `auto`: the embedded VMM wherever check-host says Linux guests boot under it
+/// ([`HostReport::linux_guest_bootable`]), the QEMU backend elsewhere.
+pub fn choose_backend(report: &HostReport) -> BackendChoice {
+    match report.linux_guest_blocker() {
+        None => BackendChoice {
+            backend: Backend::Kvm,
+            reason: format!("kvm: {}, guest kernel can boot", report.kvm_kind),
+        },
+        Some(why) => BackendChoice {
+            backend: Backend::Qemu,
+            reason: why,
+        },
     }
 }
 
@@ -705,5 +744,64 @@ mod tests {
         assert!(!r.linux_guest_bootable());
         assert_eq!(r.linux_guest_blocker().as_deref(), Some("needs PVM"));
         assert!(r.lines().last().unwrap().contains("needs PVM"));
+    }
+
+    fn report(kind: KvmKind, missing_caps: Vec<&'static str>, kernel: Option<bool>) -> HostReport {
+        HostReport {
+            kvm_kind: kind,
+            kvm_reason: "why".into(),
+            api_version: Some(12),
+            missing_caps,
+            max_vcpus: Some(4),
+            kernel: kernel.map(|bootable| KernelReport {
+                path: "/k".into(),
+                pvm_guest: Some(false),
+                bootable,
+                reason: if bootable {
+                    "boots".into()
+                } else {
+                    "this host's KVM is kvm-pvm, which boots only PVM kernels".into()
+                },
+            }),
+        }
+    }
+
+    #[test]
+    fn auto_chooses_the_embedded_vmm_only_where_the_guest_boots() {
+        for kind in [
+            KvmKind::Hardware,
+            KvmKind::Nested,
+            KvmKind::SvmEmulatedByQemuTcg,
+            KvmKind::Unknown,
+        ] {
+            let r = report(kind, vec![], Some(true));
+            assert!(r.linux_guest_bootable());
+            let c = choose_backend(&r);
+            assert_eq!(c.backend, Backend::Kvm, "{kind}");
+            assert_eq!(c.reason, format!("kvm: {kind}, guest kernel can boot"));
+        }
+        assert_eq!(
+            choose_backend(&report(KvmKind::Hardware, vec![], Some(true))).to_string(),
+            "embedded VMM (kvm: hardware, guest kernel can boot)"
+        );
+        let c = choose_backend(&report(KvmKind::Pvm, vec![], Some(false)));
+        assert_eq!(c.backend, Backend::Qemu);
+        assert_eq!(
+            c.to_string(),
+            "QEMU backend (this host's KVM is kvm-pvm, which boots only PVM kernels)"
+        );
+        let c = choose_backend(&report(KvmKind::None, vec![], Some(false)));
+        assert_eq!(c.backend, Backend::Qemu);
+        assert_eq!(c.reason, "no usable KVM: why");
+        let c = choose_backend(&report(
+            KvmKind::Hardware,
+            vec!["KVM_CAP_IRQFD"],
+            Some(true),
+        ));
+        assert_eq!(c.backend, Backend::Qemu);
+        assert!(c.reason.contains("KVM_CAP_IRQFD"), "{}", c.reason);
+        let c = choose_backend(&report(KvmKind::Hardware, vec![], None));
+        assert_eq!(c.backend, Backend::Qemu);
+        assert_eq!(c.reason, "no guest kernel was given to check");
     }
 }

@@ -36,7 +36,7 @@ enum BackendArg {
     Kvm,
     /// QEMU -M microvm (TCG where KVM cannot boot a Linux guest).
     Qemu,
-    /// The embedded VMM where the host can boot the guest, otherwise QEMU.
+    /// The embedded VMM where check-host says the guest boots under it, otherwise QEMU.
     Auto,
 }
 
@@ -150,19 +150,24 @@ fn check_host(kernel: Option<PathBuf>, json: bool) -> Result<ExitCode> {
     }))
 }
 
-/// Resolves `auto` and refuses, fast and with the reason, a KVM boot the host cannot do.
-fn choose_backend(backend: BackendArg, report: &HostReport) -> Result<Backend> {
-    match (backend, report.linux_guest_blocker()) {
-        (BackendArg::Qemu, _) => Ok(Backend::Qemu),
-        (BackendArg::Kvm | BackendArg::Auto, None) => Ok(Backend::Kvm),
-        (BackendArg::Auto, Some(why)) => {
-            eprintln!("microvm: using the QEMU backend: {why}");
-            Ok(Backend::Qemu)
+/// The backend `--backend` asks for: `auto` resolved by check-host's own rule
+/// (`host_check::choose_backend`, as the shim does for `hypervisor = "auto"`); `kvm` refused,
+/// fast and with the reason, where the host cannot boot the guest under the embedded VMM.
+fn backend_for(backend: BackendArg, report: &HostReport) -> Result<Backend> {
+    match backend {
+        BackendArg::Qemu => Ok(Backend::Qemu),
+        BackendArg::Auto => {
+            let choice = host_check::choose_backend(report);
+            eprintln!("microvm: backend auto -> {choice}");
+            Ok(choice.backend)
         }
-        (BackendArg::Kvm, Some(why)) => bail!(
-            "this host cannot boot the guest kernel under the embedded VMM: {why} \
-             (microvm check-host says more; --backend qemu runs it under QEMU)"
-        ),
+        BackendArg::Kvm => match report.linux_guest_blocker() {
+            None => Ok(Backend::Kvm),
+            Some(why) => bail!(
+                "this host cannot boot the guest kernel under the embedded VMM: {why} \
+                 (microvm check-host says more; --backend qemu runs it under QEMU)"
+            ),
+        },
     }
 }
 
@@ -175,7 +180,7 @@ fn boot_check(
     timeout: Duration,
 ) -> Result<ExitCode> {
     let report = host_check::probe(Some(&kernel));
-    let backend = choose_backend(backend, &report)?;
+    let backend = backend_for(backend, &report)?;
     let spec = GuestSpec {
         kernel,
         initrd,

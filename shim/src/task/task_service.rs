@@ -255,6 +255,12 @@ impl TaskService {
         }
         let config = self.load_config(req)?;
         let backend = match config.hypervisor {
+            Hypervisor::Auto => {
+                let report = crate::host_check::probe(Some(&config.kernel));
+                let choice = crate::host_check::choose_backend(&report);
+                log::info!("sandbox {}: hypervisor auto -> {choice}", req.id);
+                choice.backend
+            }
             Hypervisor::Kvm => {
                 let report = crate::host_check::probe(Some(&config.kernel));
                 if let Some(reason) = report.linux_guest_blocker() {
