@@ -37,7 +37,7 @@ demo: deps kernel initrd guests build
 	scripts/demo.sh
 
 bench: deps kernel initrd guests build
-	$(CARGO) run --release -p microvm-tests --bin microvm-bench
+	scripts/bench.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -15,6 +15,7 @@ packages=(
   protobuf-compiler               # k8s-cri client code generation (tests)
   libseccomp-dev                  # the guest agent's static link
   jq procps iproute2 util-linux   # scripts and leak checks
+  kmod                            # the nested lane's L1 image (scripts/lane/build-l1.sh)
 )
 
 missing=()

@@ -1,55 +1,69 @@
 #!/usr/bin/env bash
 # `make test`: lint, every unit and integration test (real /dev/kvm with our test guests, our
-# Linux guest under QEMU/TCG), then the Linux-guest-under-our-VMM tests where this host can boot
-# a Linux guest. Where it cannot, those are printed as skipped with check-host's reason: never
-# counted as passed.
-set -euo pipefail
+# Linux guest and the pod suites under QEMU/TCG), then the tests of Linux guests on the embedded
+# VMM (tests/tests/kvm_linux_guest.rs and the pod suites with MICROVM_TEST_HYPERVISOR=kvm):
+# directly where this host's KVM boots our guest, else inside the nested lane (an L1 Linux under
+# QEMU/TCG whose emulated SVM runs kvm_amd: docs/nested-lane.md), else counted skipped with the
+# reason. Closes with one line `tests: N passed, N failed, N skipped` over all of them; a test
+# that did not run because its run crashed counts as failed, never as passed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export MICROVM_KERNEL=${MICROVM_KERNEL:-$PWD/build/vmlinux}
 export MICROVM_INITRD=${MICROVM_INITRD:-$PWD/build/initrd.cpio}
 export MICROVM_GUEST_DIR=${MICROVM_GUEST_DIR:-$PWD/build/guests}
+export MICROVM_BIN_DIR=${MICROVM_BIN_DIR:-$PWD/target/release}
 
 echo "== lint"
-cargo fmt --all -- --check
-cargo clippy --release --workspace --all-targets -- -D warnings
+cargo fmt --all -- --check || exit 1
+cargo clippy --release --workspace --all-targets -- -D warnings || exit 1
 
 results=$(mktemp)
-trap 'rm -f "$results"' EXIT
+embedded=$(mktemp)
+trap 'rm -f "$results" "$embedded"' EXIT
+status_all=0
 
 echo "== tests"
 # Integration tests boot VMs; two at a time is what two cores carry without timeouts.
-cargo test --release --workspace -- --test-threads=2 2>&1 | tee -a "$results"
+cargo test --release --workspace -- --test-threads=2 2>&1 | tee -a "$results" || status_all=1
 
-echo "== linux guest under the embedded vmm"
-set +e
-verdict=$(target/release/microvm check-host --kernel "$MICROVM_KERNEL")
-status=$?
-set -e
-echo "$verdict"
-# The pod tests through containerd run once on the QEMU backend above; where this host can boot
-# our guest they run again on the embedded VMM (MICROVM_TEST_HYPERVISOR=kvm), else they are
-# counted skipped with the reason.
-pod_tests=(cri_microvm cri_microvm_exec)
-n_pod=0
-for t in "${pod_tests[@]}"; do
-  n_pod=$(( n_pod + $(grep -c '^#\[tokio::test' "tests/tests/$t.rs") ))
+echo "== linux guests on the embedded vmm"
+# The pod suites (containerd + CRI) and the plain boot tests, by cargo target name.
+embedded_targets=(kvm_linux_guest cri_microvm cri_microvm_exec)
+n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
+n_embedded=$n_linux
+for t in "${embedded_targets[@]:1}"; do
+  n_embedded=$(( n_embedded + $(grep -c '^#\[tokio::test' "tests/tests/$t.rs") ))
 done
-skipped_pod=0
-if [ $status -eq 0 ]; then
-  cargo test --release -p microvm-tests --test kvm_linux_guest -- --include-ignored --test-threads=1 2>&1 | tee -a "$results"
-  ran_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
-  echo "== pods through containerd on the embedded vmm"
-  MICROVM_TEST_HYPERVISOR=kvm cargo test --release -p microvm-tests \
-    $(printf -- '--test %s ' "${pod_tests[@]}") -- --test-threads=1 2>&1 | tee -a "$results"
-elif [ $status -eq 2 ]; then
-  reason=$(echo "$verdict" | sed -n 's/^verdict: //p')
-  ran_linux=0
-  n=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
-  echo "SKIPPED: $n linux-guest-under-kvm tests: $reason"
-  skipped_pod=$n_pod
-  echo "SKIPPED: $n_pod pod tests on the embedded vmm (${pod_tests[*]} with MICROVM_TEST_HYPERVISOR=kvm; they ran on QEMU above): $reason"
+verdict=$(target/release/microvm check-host --kernel "$MICROVM_KERNEL")
+check=$?
+echo "$verdict"
+reason=$(echo "$verdict" | sed -n 's/^verdict: //p')
+
+executables() {
+  cargo test --release --no-run --message-format=json -p microvm-tests \
+    $(printf -- '--test %s ' "${embedded_targets[@]}") 2>/dev/null |
+    jq -r 'select(.reason == "compiler-artifact" and .target.kind == ["test"] and .executable != null)
+           | "\(.target.name)=\(.executable)"'
+}
+
+ran_embedded=0
+skipped_embedded=0
+if [ $check -eq 0 ]; then
+  echo "-- directly on this host's KVM"
+  mapfile -t exes < <(executables)
+  scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded" || status_all=1
+  ran_embedded=1
+elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
+  echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
+  mapfile -t exes < <(executables)
+  scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-2400}" -- \
+    scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded" || status_all=1
+  ran_embedded=1
+elif [ $check -eq 2 ]; then
+  skipped_embedded=$n_embedded
+  echo "SKIPPED: $n_embedded tests of Linux guests on the embedded vmm (kvm_linux_guest, and the pod suites with MICROVM_TEST_HYPERVISOR=kvm; they ran on QEMU above): $reason; and MICROVM_LANE=off"
 else
-  echo "check-host failed (exit $status)" >&2
+  echo "check-host failed (exit $check)" >&2
   exit 1
 fi
 
@@ -58,18 +72,34 @@ left=$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|microvm-agent|containe
 if [ -n "$left" ]; then
   echo "processes left behind by the tests:" >&2
   echo "$left" >&2
-  exit 1
+  status_all=1
+else
+  echo "no VM processes left behind"
 fi
-echo "no VM processes left behind"
 
 # One closing line over every cargo test binary. Every ignored test counts as skipped, never as
-# passed: the linux-guest-under-kvm ones where this host cannot boot them (when it can, they ran
-# in their own run above and are counted there), and tests of work not finished yet (each says
-# why in its #[ignore] reason, printed by cargo above). The embedded-VMM run of the pod tests
-# counts as skipped where it could not run.
-sum() { sed -n "s/^test result: .* \([0-9][0-9]*\) $1.*/\1/p" "$results" | paste -sd+ | bc; }
-passed=$(sum passed)
-failed=$(sum failed)
-ignored=$(sum ignored)
-skipped=$(( ${ignored:-0} - ran_linux + skipped_pod ))
-echo "tests: ${passed:-0} passed, ${failed:-0} failed, ${skipped} skipped"
+# passed: kvm_linux_guest's are ignored in the plain run and counted where they ran on the
+# embedded VMM (or skipped with the reason above); tests of work not finished yet say why in
+# their #[ignore] reason, printed by cargo above. An embedded-VMM run that ended before all its
+# tests reported (L1 crashed or timed out) counts the missing ones as failed.
+sum() { local what=$1; shift; sed -n "s/^test result: .* \([0-9][0-9]*\) $what.*/\1/p" "$@" | paste -sd+ | bc; }
+passed=$(( $(sum passed "$results") + 0 ))
+failed=$(( $(sum failed "$results") + 0 ))
+ignored=$(( $(sum ignored "$results") + 0 ))
+skipped=$(( ignored - n_linux + skipped_embedded ))
+if [ $ran_embedded -eq 1 ]; then
+  e_passed=$(( $(sum passed "$embedded") + 0 ))
+  e_failed=$(( $(sum failed "$embedded") + 0 ))
+  missing=$(( n_embedded - e_passed - e_failed ))
+  if [ $missing -gt 0 ]; then
+    echo "embedded vmm: $missing of $n_embedded tests did not report (their run ended early): counted as failed"
+    status_all=1
+  else
+    missing=0
+  fi
+  passed=$(( passed + e_passed ))
+  failed=$(( failed + e_failed + missing ))
+fi
+[ $failed -eq 0 ] || status_all=1
+echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped"
+exit $status_all

@@ -35,7 +35,20 @@ pub fn repo() -> PathBuf {
 /// (a no-op when `make build` already did) into the target folder this test runs from. It
 /// builds the workspace's binaries exactly as `make build` does: `-p shim` alone would unify
 /// features differently and rebuild half the dependency tree inside the test.
+///
+/// `MICROVM_BIN_DIR` names a folder of binaries built beforehand instead: the nested lane
+/// (docs/nested-lane.md) runs the test executables in an L1 VM where running cargo would only
+/// cost minutes of emulated CPU to find nothing to do.
 pub fn shim_bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("MICROVM_BIN_DIR").filter(|d| !d.is_empty()) {
+        let dir = PathBuf::from(dir);
+        assert!(
+            dir.join(SHIM).is_file(),
+            "MICROVM_BIN_DIR={} has no {SHIM}: run `make build`",
+            dir.display()
+        );
+        return dir;
+    }
     let exe = std::env::current_exe().unwrap();
     // <target>/<profile>/deps/<test>
     let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The tests of Linux guests on the embedded VMM, as scripts/run-tests.sh runs them: directly on a
+# host whose KVM boots our guest, or inside the nested lane's L1 (scripts/lane/run-in-l1.sh) where
+# it does not. Arguments: the test executables (built beforehand with `cargo test --no-run`, see
+# run-tests.sh), by their cargo target name first: `kvm_linux_guest=<exe> cri_microvm=<exe> ...`.
+# Every test binary runs even when one before it failed; the exit status is non-zero if any did.
+# The `test result:` lines are what run-tests.sh counts.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+microvm=${MICROVM_BIN_DIR:?MICROVM_BIN_DIR must name the folder of the built binaries}/microvm
+kernel=${MICROVM_KERNEL:?MICROVM_KERNEL must name the guest kernel}
+
+echo "== check-host$([ -n "${MICROVM_IN_LANE:-}" ] && echo " (inside the nested lane's L1)")"
+if ! "$microvm" check-host --kernel "$kernel"; then
+  echo "embedded-vmm-tests: check-host says the embedded VMM cannot boot our guest here" >&2
+  exit 1
+fi
+
+failed=0
+for arg in "$@"; do
+  name=${arg%%=*}
+  exe=${arg#*=}
+  case "$name" in
+    # #[ignore]d where make test cannot run them; here it can.
+    kvm_linux_guest) args=(--include-ignored --test-threads=1); env=() ;;
+    # The pod suites, on the embedded VMM instead of QEMU.
+    *) args=(--test-threads=1); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
+  esac
+  echo "== $name on the embedded vmm"
+  if ! env "${env[@]}" "$exe" "${args[@]}"; then
+    failed=1
+  fi
+done
+exit $failed

@@ -1,0 +1,67 @@
+#!/bin/bash
+# Stage 2 of the nested lane's L1 (docs/nested-lane.md), PID 1 on the host's root under a
+# writable overlay: sets up what our tests need (KVM with nested SVM, cgroup2, tmpfs /tmp and
+# /run, loopback, the modules for containerd's overlayfs snapshotter and the CNI bridge), runs the
+# one command the host asked for (scripts/lane/run-in-l1.sh wrote it to the lane share), records
+# its exit status there, and powers L1 off. Never returns: PID 1 exiting would panic the kernel.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export HOME=/root
+
+lane=/run/microvm-lane
+
+say() { echo "l1: $*" >&2; }
+power_off() {
+  sync
+  # Quiet: the kernel's "Power down" line is not the command's output.
+  echo 0 > /proc/sys/kernel/printk
+  busybox poweroff -f
+  echo o > /proc/sysrq-trigger
+  sleep 30
+}
+fail() {
+  say "$*"
+  [ -d "$lane" ] && dmesg > "$lane/dmesg" 2>/dev/null
+  power_off
+}
+
+mount -t tmpfs -o mode=1777 tmpfs /tmp || fail "mount /tmp"
+mount -t tmpfs -o mode=0755 tmpfs /run || fail "mount /run"
+mkdir -p /dev/pts /dev/shm "$lane"
+mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /dev/pts || fail "mount /dev/pts"
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm || fail "mount /dev/shm"
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 lane "$lane" || fail "mount the lane share"
+# Output lines end in \n, not \r\n, so the host reads them like a pipe.
+stty -F /dev/console -onlcr 2>/dev/null
+
+kver=$(uname -r)
+mkdir -p "/lib/modules/$kver"
+mount --bind "$MICROVM_LANE_IMAGE/modules/$kver" "/lib/modules/$kver" || fail "bind the modules of $kver"
+# kvm_amd with nested=1: SVM emulated by QEMU (TCG) with nested paging; our VMM runs on it.
+# overlay: containerd's overlayfs snapshotter. bridge, veth: the CNI bridge plugin. tun: tap
+# devices. Anything else is loaded on demand (the kernel calls /sbin/modprobe on this root).
+for m in "kvm_amd nested=1" overlay bridge veth tun; do
+  # shellcheck disable=SC2086
+  modprobe $m || fail "modprobe $m"
+done
+[ -c /dev/kvm ] || fail "no /dev/kvm after loading kvm_amd"
+
+mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup || fail "mount cgroup2"
+ip link set lo up || fail "bring up lo"
+hostname microvm-l1
+
+if [ -s "$lane/writable" ]; then
+  dir=$(cat "$lane/writable")
+  mkdir -p "$dir"
+  mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 writable "$dir" || fail "mount $dir"
+fi
+
+say "ready ($(uname -r), $(nproc) vCPU, $(awk '/MemTotal/ { printf "%d MiB", $2 / 1024 }' /proc/meminfo))"
+# PID 1 reaps every orphan (bash's SIGCHLD handling waits for any child) while the command runs.
+bash "$lane/command" < /dev/null &
+wait $!
+status=$?
+echo "$status" > "$lane/status"
+dmesg > "$lane/dmesg" 2>/dev/null
+[ -n "${dir:-}" ] && umount "$dir"
+umount "$lane"
+power_off
