@@ -21,7 +21,9 @@ use libcontainer::container::Container;
 use libcontainer::syscall::syscall::SyscallType;
 use libcontainer::workload::default::DefaultExecutor;
 use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
-use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, Process, Spec};
+use oci_spec::runtime::{
+    LinuxCapabilities, LinuxNamespaceType, LinuxResources, LinuxSeccomp, Process, Spec,
+};
 
 use crate::pod_namespace::POD_PID_NAMESPACE;
 use crate::reaper::{self, ExitCell};
@@ -126,9 +128,73 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ContainerError {
 
 /// What libcontainer runs in the container's process right before the user program: undoes the
 /// agent's own signal state (SIGCHLD blocked for the reaper, SIGPIPE ignored by Rust's runtime),
-/// which a clone inherits, then execs like libcontainer's default.
+/// which a clone inherits, then (execs only, see [`ExecSeccomp`]) loads the container's seccomp
+/// filter, then execs like libcontainer's default.
+#[derive(Clone, Default)]
+struct AgentExecutor {
+    seccomp: Option<ExecSeccomp>,
+}
+
+/// The container's seccomp filter for an exec. libcontainer 0.7's tenant builder rebuilds the
+/// spec's `linux` section for an exec and leaves `seccomp` out, so the exec would run without the
+/// filter the container's init runs under. The agent loads it in the exec's process itself, in
+/// runc's order (runc's setns_init_linux.go): with `noNewPrivileges` right before exec, after the
+/// capabilities were dropped; without it loading needs CAP_SYS_ADMIN, so libcontainer is given
+/// the process without `capabilities` (it then keeps the agent's, across the user switch too),
+/// and after loading the filter the executor drops them to the process's, as libcontainer would
+/// have.
 #[derive(Clone)]
-struct AgentExecutor;
+struct ExecSeccomp {
+    filter: LinuxSeccomp,
+    /// The capabilities to drop to after loading the filter (without `noNewPrivileges`).
+    then_capabilities: Option<LinuxCapabilities>,
+}
+
+impl ExecSeccomp {
+    /// Splits an exec's process for libcontainer and the executor: the process to give the
+    /// tenant builder and what the executor must do. No filter: nothing to do.
+    fn plan(
+        container_filter: Option<&LinuxSeccomp>,
+        mut process: Process,
+    ) -> Result<(Process, Option<Self>), ContainerError> {
+        let Some(filter) = container_filter else {
+            return Ok((process, None));
+        };
+        if libcontainer::seccomp::is_notify(filter) {
+            return Err(ContainerError::Spec(
+                "the container's seccomp profile uses SCMP_ACT_NOTIFY, which execs do not support"
+                    .into(),
+            ));
+        }
+        let then_capabilities = if process.no_new_privileges() == Some(true) {
+            None
+        } else {
+            let caps = process.capabilities().clone();
+            process.set_capabilities(None);
+            caps
+        };
+        Ok((
+            process,
+            Some(Self {
+                filter: filter.clone(),
+                then_capabilities,
+            }),
+        ))
+    }
+
+    fn apply(&self) -> Result<(), ExecutorError> {
+        libcontainer::seccomp::initialize_seccomp(&self.filter).map_err(|e| {
+            ExecutorError::Other(format!("loading the container's seccomp filter: {e}"))
+        })?;
+        if let Some(caps) = &self.then_capabilities {
+            let syscall = libcontainer::syscall::syscall::create_syscall();
+            libcontainer::capabilities::drop_privileges(caps, syscall.as_ref()).map_err(|e| {
+                ExecutorError::Other(format!("dropping the exec's capabilities: {e}"))
+            })?;
+        }
+        Ok(())
+    }
+}
 
 impl Executor for AgentExecutor {
     fn exec(&self, spec: &Spec) -> Result<(), ExecutorError> {
@@ -139,6 +205,9 @@ impl Executor for AgentExecutor {
             libc::sigemptyset(empty.as_mut_ptr());
             libc::sigprocmask(libc::SIG_SETMASK, empty.as_ptr(), std::ptr::null_mut());
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+        if let Some(seccomp) = &self.seccomp {
+            seccomp.apply()?;
         }
         DefaultExecutor {}.exec(spec)
     }
@@ -178,6 +247,8 @@ struct Entry {
     init: Arc<Proc>,
     execs: Mutex<HashMap<String, Arc<Proc>>>,
     bundle: PathBuf,
+    /// The container's seccomp filter, for its execs.
+    seccomp: Option<LinuxSeccomp>,
 }
 
 /// Cgroup v2 figures of one container.
@@ -425,6 +496,7 @@ impl Containers {
         id: &str,
         console: Option<&Path>,
         child: Option<crate::stdio::ChildStdio>,
+        executor: AgentExecutor,
     ) -> Result<ContainerBuilder, ContainerError> {
         let builder = ContainerBuilder::new(id.to_owned(), SyscallType::default())
             .with_root_path(&self.state_root)
@@ -432,7 +504,7 @@ impl Containers {
                 what: "state root",
                 source,
             })?
-            .with_executor(AgentExecutor)
+            .with_executor(executor)
             .with_console_socket(console);
         Ok(match child {
             Some(child) => builder
@@ -458,7 +530,7 @@ impl Containers {
         let ((container, pid), master) = with_console(
             bundle,
             |console| {
-                let builder = self.builder(id, console, child)?;
+                let builder = self.builder(id, console, child, AgentExecutor::default())?;
                 let mut table = reaper::processes();
                 log::debug!("container {id}: building from {}", bundle.display());
                 let container = builder
@@ -497,6 +569,7 @@ impl Containers {
             init,
             execs: Mutex::new(HashMap::new()),
             bundle: bundle.to_owned(),
+            seccomp: spec.linux().as_ref().and_then(|l| l.seccomp().clone()),
         });
         self.entries
             .lock()
@@ -563,6 +636,16 @@ impl Containers {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or_else(|| ContainerError::AlreadyStarted(exec_id.to_owned()))?;
+        let forget = || {
+            // A failed exec is forgotten, so that the shim can report it and retry cleanly.
+            entry
+                .execs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(exec_id);
+        };
+        let (process, seccomp) =
+            ExecSeccomp::plan(entry.seccomp.as_ref(), process).inspect_err(|_| forget())?;
         let process_path = entry.bundle.join(format!("exec-{exec_id}.json"));
         let text = serde_json::to_vec(&process).map_err(|source| ContainerError::Json {
             what: "OCI process",
@@ -572,7 +655,7 @@ impl Containers {
         let result = with_console(
             &entry.bundle,
             |console| {
-                let builder = self.builder(id, console, child)?;
+                let builder = self.builder(id, console, child, AgentExecutor { seccomp })?;
                 let mut table = reaper::processes();
                 let pid = builder
                     .as_tenant()
@@ -591,14 +674,7 @@ impl Containers {
             proc.terminal,
         );
         let _ = std::fs::remove_file(&process_path);
-        let (pid, master) = result.inspect_err(|_| {
-            // A failed exec is forgotten, so that the shim can report it and retry cleanly.
-            entry
-                .execs
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(exec_id);
-        })?;
+        let (pid, master) = result.inspect_err(|_| forget())?;
         if let Some(master) = master {
             proc.streams
                 .set_pty(master)
@@ -829,6 +905,60 @@ pub fn read_stats(dir: &Path) -> Stats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn process(json: &str) -> Process {
+        serde_json::from_str(json).expect("process JSON")
+    }
+
+    fn filter(action: &str) -> LinuxSeccomp {
+        serde_json::from_str(&format!(
+            r#"{{"defaultAction":"SCMP_ACT_ERRNO","syscalls":[{{"names":["read"],"action":"{action}"}}]}}"#
+        ))
+        .expect("seccomp JSON")
+    }
+
+    const CAPS: &str = r#""capabilities":{"bounding":["CAP_CHOWN"],"effective":["CAP_CHOWN"],"permitted":["CAP_CHOWN"]}"#;
+
+    #[test]
+    fn an_exec_of_a_container_without_seccomp_is_left_to_libcontainer() {
+        let p = process(&format!(r#"{{"cwd":"/","args":["sh"],{CAPS}}}"#));
+        let (out, seccomp) = ExecSeccomp::plan(None, p.clone()).expect("plan");
+        assert_eq!(out, p);
+        assert!(seccomp.is_none());
+    }
+
+    #[test]
+    fn with_no_new_privs_the_filter_is_loaded_last_and_caps_stay_with_libcontainer() {
+        let p = process(&format!(
+            r#"{{"cwd":"/","args":["sh"],"noNewPrivileges":true,{CAPS}}}"#
+        ));
+        let (out, seccomp) =
+            ExecSeccomp::plan(Some(&filter("SCMP_ACT_ALLOW")), p.clone()).expect("plan");
+        assert_eq!(out, p);
+        let seccomp = seccomp.expect("a filter to load");
+        assert_eq!(seccomp.filter, filter("SCMP_ACT_ALLOW"));
+        assert!(seccomp.then_capabilities.is_none());
+    }
+
+    #[test]
+    fn without_no_new_privs_the_caps_are_dropped_after_the_filter_is_loaded() {
+        let p = process(&format!(r#"{{"cwd":"/","args":["sh"],{CAPS}}}"#));
+        let (out, seccomp) =
+            ExecSeccomp::plan(Some(&filter("SCMP_ACT_ALLOW")), p.clone()).expect("plan");
+        assert!(out.capabilities().is_none(), "{out:?}");
+        assert_eq!(out.args(), p.args());
+        let seccomp = seccomp.expect("a filter to load");
+        assert_eq!(&seccomp.then_capabilities, p.capabilities());
+    }
+
+    #[test]
+    fn a_notify_profile_is_refused_for_execs() {
+        let p = process(r#"{"cwd":"/","args":["sh"]}"#);
+        let err = ExecSeccomp::plan(Some(&filter("SCMP_ACT_NOTIFY")), p)
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("SCMP_ACT_NOTIFY"), "{err}");
+    }
 
     #[test]
     fn stats_from_cgroup_files() {

@@ -538,3 +538,157 @@ async fn update_container_resources_reach_the_guest_cgroup() {
     );
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// What a process inherits from its container's security settings, as /proc/self shows it:
+/// user and groups, capability sets, no_new_privs, seccomp mode and filter count, the cgroup,
+/// the rlimits. Printed by a child of `sh`, so an exec and the container's init compare alike.
+const IDENTITY: &str = "grep -E '^(Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs|Seccomp|Seccomp_filters):' /proc/self/status; cat /proc/self/cgroup; grep -E '^Max ' /proc/self/limits";
+
+/// A busybox container whose init prints [`IDENTITY`], then `identity-end`, then sleeps.
+fn identity_container(
+    name: &str,
+    security: microvm_tests::cri::v1::LinuxContainerSecurityContext,
+) -> microvm_tests::cri::v1::ContainerConfig {
+    let script = format!("{IDENTITY}; echo identity-end; exec sleep 3600");
+    let mut config = container_config(name, BUSYBOX_IMAGE, &["sh", "-c", &script]);
+    config.linux = Some(microvm_tests::cri::v1::LinuxContainerConfig {
+        security_context: Some(security),
+        ..Default::default()
+    });
+    config
+}
+
+/// The container init's [`IDENTITY`] lines from its CRI log (waited for, bounded).
+async fn init_identity(cri: &CriClient, ctrd: &PrivateContainerd, id: &str) -> Vec<String> {
+    let status = cri.container_status(id).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let log = microvm_tests::cri::read_cri_log(Path::new(&status.log_path)).unwrap_or_default();
+        let lines: Vec<String> = log.iter().map(|l| l.text.clone()).collect();
+        if let Some(end) = lines.iter().position(|l| l == "identity-end") {
+            return lines[..end].to_vec();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "container {id} printed no identity-end: {lines:?}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn lines_of(text: &str) -> Vec<String> {
+    text.lines().map(str::to_string).collect()
+}
+
+/// Every exec (CRI ExecSync and a streaming `ctr task exec`) runs under its container's seccomp
+/// filter (RuntimeDefault: mode 2, one filter, as the init), with the init's capability sets,
+/// no_new_privs, user, groups, cgroup and rlimits: for a root container with default
+/// capabilities (no no_new_privs: the filter is loaded before the capabilities are dropped, as
+/// runc does) and for one as user 1000:3000 with supplementary groups, no_new_privs and a dropped
+/// capability.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execs_inherit_seccomp_capabilities_user_and_cgroup_of_their_container() {
+    use microvm_tests::cri::v1::security_profile::ProfileType;
+    use microvm_tests::cri::v1::{
+        Capability, Int64Value, LinuxContainerSecurityContext, SecurityProfile,
+    };
+    let _serial = SERIAL.lock().await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
+    let pod = run_pod(&ctrd, &cri, "microvm-exec-seccomp").await;
+    let runtime_default = || {
+        Some(SecurityProfile {
+            profile_type: ProfileType::RuntimeDefault as i32,
+            ..Default::default()
+        })
+    };
+    let containers = [
+        (
+            "root-default",
+            LinuxContainerSecurityContext {
+                seccomp: runtime_default(),
+                ..Default::default()
+            },
+        ),
+        (
+            "user-nnp",
+            LinuxContainerSecurityContext {
+                seccomp: runtime_default(),
+                run_as_user: Some(Int64Value { value: 1000 }),
+                run_as_group: Some(Int64Value { value: 3000 }),
+                supplemental_groups: vec![4000, 5000],
+                no_new_privs: true,
+                capabilities: Some(Capability {
+                    drop_capabilities: vec!["CHOWN".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        ),
+    ];
+    for (name, security) in containers {
+        let id = cri
+            .create_container(&pod, identity_container(name, security))
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        cri.start_container(&id)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        let init = init_identity(&cri, &ctrd, &id).await;
+        eprintln!("{name}: the init's identity:\n{}", init.join("\n"));
+        assert!(
+            init.iter().any(|l| l == "Seccomp:\t2"),
+            "{name}: the init runs without its RuntimeDefault seccomp filter: {init:?}"
+        );
+
+        let out = cri
+            .exec_sync(&id, &["sh", "-c", IDENTITY], 60)
+            .await
+            .unwrap();
+        assert_eq!(out.exit_code, 0, "{name}: {out:?}");
+        assert_eq!(
+            lines_of(&out.stdout),
+            init,
+            "{name}: ExecSync differs from the container's init"
+        );
+
+        let exec_id = format!("identity-{name}");
+        let ctr = spawn_ctr(
+            &ctrd,
+            &[
+                "task",
+                "exec",
+                "--exec-id",
+                &exec_id,
+                &id,
+                "sh",
+                "-c",
+                IDENTITY,
+            ],
+            [Stdio::null(), Stdio::piped(), Stdio::piped()],
+        );
+        let out = tokio::task::spawn_blocking(move || {
+            let mut ctr = ctr;
+            let mut stdout = ctr.stdout.take().unwrap();
+            let mut stderr = ctr.stderr.take().unwrap();
+            let reader = std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = stdout.read_to_string(&mut s);
+                s
+            });
+            let mut err = String::new();
+            let _ = stderr.read_to_string(&mut err);
+            let code = wait_bounded(&mut ctr, CTR_TIMEOUT);
+            (code, reader.join().unwrap(), err)
+        })
+        .await
+        .unwrap();
+        assert_eq!(out.0, Some(0), "{name}: ctr task exec: {}", out.2);
+        assert_eq!(
+            lines_of(&out.1),
+            init,
+            "{name}: a streaming exec differs from the container's init"
+        );
+    }
+    remove_pod(&ctrd, &cri, &pod).await;
+}
