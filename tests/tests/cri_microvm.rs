@@ -506,3 +506,85 @@ async fn containers_share_the_pods_pid_namespace_only_when_asked() {
     cri.remove_container(&sleeper).await.unwrap();
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// The sandbox id the shim names in its refusal (`microvm: sandbox <id>: …`).
+fn refused_sandbox_id(err: &str) -> String {
+    let rest = err
+        .split("microvm: sandbox ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("the error names no sandbox: {err}"));
+    rest.split(':').next().unwrap_or_default().to_string()
+}
+
+/// A pod that asks for the host's network, IPC or PID namespace (hostNetwork, hostIPC,
+/// hostPID: containerd leaves the namespace out of the sandbox's spec) is refused by
+/// RunPodSandbox before any VM boots, with an error that says why and names the namespaces;
+/// nothing of it remains (no shim, VM process, state directory, mount, shim socket, cgroup).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_asking_for_host_namespaces_are_refused_naming_them_and_leak_nothing() {
+    use microvm_tests::cri::v1::{LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption};
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    let before = state_entries();
+    let mounts_before = ctrd.mounts();
+    let node = NamespaceMode::Node as i32;
+    let pod_mode = NamespaceMode::Pod as i32;
+    let cases = [
+        (
+            "microvm-hostnet",
+            (node, pod_mode, pod_mode),
+            "host's network namespace (hostNetwork)",
+        ),
+        (
+            "microvm-hostipc-pid",
+            (pod_mode, node, node),
+            "host's IPC and PID namespaces (hostIPC and hostPID)",
+        ),
+        (
+            "microvm-host-all",
+            (node, node, node),
+            "host's network, IPC and PID namespaces (hostNetwork, hostIPC and hostPID)",
+        ),
+    ];
+    for (name, (network, ipc, pid), names) in cases {
+        let mut pod = ctrd.pod_config(name, HashMap::new()).unwrap();
+        let linux = pod.linux.get_or_insert_with(Default::default);
+        linux.security_context = Some(LinuxSandboxSecurityContext {
+            namespace_options: Some(NamespaceOption {
+                network,
+                ipc,
+                pid,
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let t = Instant::now();
+        let err = cri
+            .run_pod_sandbox(pod, "microvm")
+            .await
+            .expect_err("RunPodSandbox must refuse a pod in host namespaces")
+            .to_string();
+        let failed_in = t.elapsed();
+        assert!(err.contains(names), "{name}: {err}");
+        assert!(err.contains("in its own kernel"), "{name}: {err}");
+        assert!(failed_in < Duration::from_secs(30), "took {failed_in:?}");
+        let id = refused_sandbox_id(&err);
+        assert_pod_gone(&ctrd, &id, Duration::from_secs(20));
+        assert_nothing_new(&ctrd, &before);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while ctrd.mounts() != mounts_before {
+            assert!(
+                Instant::now() < deadline,
+                "{name}: mounts left: {:?} (before: {mounts_before:?})",
+                ctrd.mounts()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!("{name}: RunPodSandbox refused in {failed_in:?}: {err}");
+    }
+    // The handler still runs an ordinary pod.
+    let pod = run_pod(&ctrd, &cri, "microvm-after-refusals").await;
+    remove_pod(&ctrd, &cri, &pod).await;
+}

@@ -137,10 +137,128 @@ pub fn rewrite_for_guest(
     Ok(binds)
 }
 
+/// A host namespace a pod's sandbox spec asks to share, which a pod in its own VM cannot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostNamespace {
+    Network,
+    Ipc,
+    Pid,
+}
+
+impl HostNamespace {
+    /// The OCI `linux.namespaces` type.
+    fn oci_type(self) -> &'static str {
+        match self {
+            Self::Network => "network",
+            Self::Ipc => "ipc",
+            Self::Pid => "pid",
+        }
+    }
+
+    /// The Kubernetes pod field that asks for it.
+    pub fn pod_field(self) -> &'static str {
+        match self {
+            Self::Network => "hostNetwork",
+            Self::Ipc => "hostIPC",
+            Self::Pid => "hostPID",
+        }
+    }
+
+    /// The namespace's name in prose.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Network => "network",
+            Self::Ipc => "IPC",
+            Self::Pid => "PID",
+        }
+    }
+}
+
+/// The host namespaces a pod's sandbox spec asks for. containerd (1.6 and later) writes a
+/// `network`, `ipc` or `pid` entry in the sandbox's `linux.namespaces` for each namespace of the
+/// pod's own, and leaves it out for `hostNetwork`, `hostIPC` and `hostPID` (NamespaceMode
+/// NODE): the pause process then runs in the host's. A spec without `linux.namespaces` asks
+/// for all three.
+pub fn host_namespaces(sandbox_spec: &Value) -> Vec<HostNamespace> {
+    let present: Vec<&str> = sandbox_spec
+        .pointer("/linux/namespaces")
+        .and_then(Value::as_array)
+        .map(|nss| {
+            nss.iter()
+                .filter_map(|ns| ns.get("type").and_then(Value::as_str))
+                .collect()
+        })
+        .unwrap_or_default();
+    [
+        HostNamespace::Network,
+        HostNamespace::Ipc,
+        HostNamespace::Pid,
+    ]
+    .into_iter()
+    .filter(|ns| !present.contains(&ns.oci_type()))
+    .collect()
+}
+
+/// The refusal of a pod that asks for host namespaces, naming them; `None` if it asks for none.
+pub fn refuse_host_namespaces(sandbox_spec: &Value) -> Option<String> {
+    let host = host_namespaces(sandbox_spec);
+    if host.is_empty() {
+        return None;
+    }
+    let join = |parts: Vec<&str>| match parts.as_slice() {
+        [one] => one.to_string(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+        [] => String::new(),
+    };
+    let names = join(host.iter().map(|ns| ns.name()).collect());
+    let fields = join(host.iter().map(|ns| ns.pod_field()).collect());
+    let plural = if host.len() > 1 { "s" } else { "" };
+    Some(format!(
+        "the pod asks for the host's {names} namespace{plural} ({fields}): the microvm runtime \
+         handler runs every pod in its own kernel (a VM) and cannot share the host's {names} \
+         namespace{plural}; run this pod with another runtime handler (e.g. runc)"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn host_namespaces_are_those_the_sandbox_spec_leaves_out() {
+        let own = json!({"linux": {"namespaces": [
+            {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+            {"type": "network", "path": "/var/run/netns/cni-1"}
+        ]}});
+        assert!(host_namespaces(&own).is_empty());
+        assert_eq!(refuse_host_namespaces(&own), None);
+        let host_net = json!({"linux": {"namespaces": [
+            {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}
+        ]}});
+        assert_eq!(host_namespaces(&host_net), vec![HostNamespace::Network]);
+        let msg = refuse_host_namespaces(&host_net).unwrap();
+        assert!(
+            msg.contains("host's network namespace (hostNetwork)"),
+            "{msg}"
+        );
+        assert!(msg.contains("own kernel"), "{msg}");
+        let all = json!({"linux": {"namespaces": [{"type": "uts"}, {"type": "mount"}]}});
+        assert_eq!(
+            host_namespaces(&all),
+            vec![
+                HostNamespace::Network,
+                HostNamespace::Ipc,
+                HostNamespace::Pid
+            ]
+        );
+        let msg = refuse_host_namespaces(&all).unwrap();
+        assert!(
+            msg.contains("network, IPC and PID namespaces (hostNetwork, hostIPC and hostPID)"),
+            "{msg}"
+        );
+        assert_eq!(host_namespaces(&json!({})).len(), 3);
+    }
 
     fn cri_app_spec() -> Value {
         json!({

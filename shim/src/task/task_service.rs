@@ -676,7 +676,17 @@ impl Task for TaskService {
             .map_err(|e| status(Code::INVALID_ARGUMENT, format!("microvm: {e}")))?;
         let annotations = bundle::annotations(&spec);
         let pid = match Role::from_annotations(&req.id, &annotations) {
-            Role::Sandbox => self.create_sandbox(&req, &annotations).await?,
+            Role::Sandbox => {
+                // Before anything is made: a pod that needs the host's namespaces is refused.
+                if let Some(refusal) = guest_spec::refuse_host_namespaces(&spec) {
+                    log::warn!("sandbox {}: refused: {refusal}", req.id);
+                    return Err(status(
+                        Code::INVALID_ARGUMENT,
+                        format!("microvm: sandbox {}: {refusal}", req.id),
+                    ));
+                }
+                self.create_sandbox(&req, &annotations).await?
+            }
             Role::App { sandbox_id } => self.create_app(&req, spec, &sandbox_id).await?,
             Role::Standalone => self.create_standalone(&req, spec, &annotations).await?,
         };
