@@ -68,10 +68,22 @@ pub enum ContainerError {
     Io { what: String, source: io::Error },
     #[error("{0}")]
     Stdio(#[from] crate::stdio::StdioError),
-    #[error("{what}: {source}")]
+    #[error("{what}: {}", crate::runtime_log::error_chain(.source))]
     Runtime {
         what: &'static str,
         source: libcontainer::error::LibcontainerError,
+    },
+    /// A failed build of a container or exec: libcontainer's error chain, then what it logged
+    /// as errors in the process it cloned (the cause, with the value at fault).
+    #[error(
+        "{what}: {}{}",
+        crate::runtime_log::error_chain(.source),
+        crate::runtime_log::describe(.events)
+    )]
+    Build {
+        what: &'static str,
+        source: libcontainer::error::LibcontainerError,
+        events: Vec<String>,
     },
     #[error("updating cgroup: {0}")]
     Cgroup(String),
@@ -533,15 +545,18 @@ impl Containers {
                 let builder = self.builder(id, console, child, AgentExecutor::default())?;
                 let mut table = reaper::processes();
                 log::debug!("container {id}: building from {}", bundle.display());
-                let container = builder
-                    .as_init(bundle)
-                    .with_systemd(false)
-                    .with_detach(true)
-                    .build()
-                    .map_err(|source| ContainerError::Runtime {
-                        what: "creating the container",
-                        source,
-                    })?;
+                let (built, events) = crate::runtime_log::capture(|| {
+                    builder
+                        .as_init(bundle)
+                        .with_systemd(false)
+                        .with_detach(true)
+                        .build()
+                });
+                let container = built.map_err(|source| ContainerError::Build {
+                    what: "creating the container",
+                    source,
+                    events,
+                })?;
                 let pid = container
                     .pid()
                     .ok_or_else(|| ContainerError::Spec("no init pid after create".into()))?
@@ -657,14 +672,18 @@ impl Containers {
             |console| {
                 let builder = self.builder(id, console, child, AgentExecutor { seccomp })?;
                 let mut table = reaper::processes();
-                let pid = builder
-                    .as_tenant()
-                    .with_process(Some(&process_path))
-                    .with_detach(true)
-                    .build()
-                    .map_err(|source| ContainerError::Runtime {
+                let (built, events) = crate::runtime_log::capture(|| {
+                    builder
+                        .as_tenant()
+                        .with_process(Some(&process_path))
+                        .with_detach(true)
+                        .build()
+                });
+                let pid = built
+                    .map_err(|source| ContainerError::Build {
                         what: "starting the exec process",
                         source,
+                        events,
                     })?
                     .as_raw();
                 table.insert(pid, proc.exit.clone());

@@ -15,6 +15,7 @@ mod oom;
 mod pod_namespace;
 mod power;
 mod reaper;
+mod runtime_log;
 mod server;
 mod service;
 mod stdio;
@@ -104,6 +105,7 @@ fn run(pid1: bool) -> anyhow::Result<()> {
 
 fn main() {
     logger::init();
+    runtime_log::install();
     let pid1 = init::is_pid1();
     if pid1 {
         std::panic::set_hook(Box::new(|info| log::error!("panic: {info}")));

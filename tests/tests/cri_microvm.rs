@@ -588,3 +588,55 @@ async fn pods_asking_for_host_namespaces_are_refused_naming_them_and_leak_nothin
     let pod = run_pod(&ctrd, &cri, "microvm-after-refusals").await;
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// A container libcontainer cannot create fails CreateContainer with the cause and the value at
+/// fault, not only libcontainer's outer words ("failed to prepare rootfs"): here a volume whose
+/// host path is a file, mounted over the image's directory /bin (runc refuses it too, "not a
+/// directory"). The pod stays usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_that_cannot_be_created_fails_naming_the_cause_and_the_value() {
+    use microvm_tests::cri::v1::Mount;
+    use microvm_tests::cri::{container_config, read_cri_log};
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let (dir, _config, ctrd, cri) = start_with_busybox().await;
+    let pod = run_pod(&ctrd, &cri, "microvm-bad-create").await;
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "not a directory\n").unwrap();
+    let mut config = container_config("file-over-bin", BUSYBOX_IMAGE, &["true"]);
+    config.mounts = vec![Mount {
+        container_path: "/bin".into(),
+        host_path: file.display().to_string(),
+        ..Default::default()
+    }];
+    let err = match cri.create_container(&pod, config).await {
+        Err(e) => e.to_string(),
+        Ok(id) => cri
+            .start_container(&id)
+            .await
+            .expect_err("a file mounted over /bin must fail")
+            .to_string(),
+    };
+    eprintln!("file over /bin: {err}");
+    // Today's words: `… failed to prepare rootfs; libcontainer: failed to mount Mount {
+    // destination: "/bin", … }: syscall; failed to prepare rootfs err=Mount(Syscall(Nix(EINVAL)))`.
+    assert!(
+        err.contains("failed to mount"),
+        "the error names no cause: {err}"
+    );
+    assert!(err.contains("\"/bin\""), "the error names no mount: {err}");
+    assert!(err.contains("Nix(E"), "the error names no errno: {err}");
+
+    // The pod still runs containers.
+    let ok = container_config("fine", BUSYBOX_IMAGE, &["echo", "still-fine"]);
+    let id = cri.create_container(&pod, ok).await.unwrap();
+    cri.start_container(&id).await.unwrap();
+    let status = cri
+        .wait_container_exited(&id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(status.exit_code, 0, "{status:?}");
+    let log = read_cri_log(Path::new(&status.log_path)).unwrap();
+    assert!(log.iter().any(|l| l.text == "still-fine"), "{log:?}");
+    remove_pod(&ctrd, &cri, &pod).await;
+}
