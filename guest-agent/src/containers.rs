@@ -82,7 +82,7 @@ pub enum ContainerError {
     )]
     Build {
         what: &'static str,
-        source: libcontainer::error::LibcontainerError,
+        source: Box<libcontainer::error::LibcontainerError>,
         events: Vec<String>,
     },
     #[error("updating cgroup: {0}")]
@@ -554,7 +554,7 @@ impl Containers {
                 });
                 let container = built.map_err(|source| ContainerError::Build {
                     what: "creating the container",
-                    source,
+                    source: Box::new(source),
                     events,
                 })?;
                 let pid = container
@@ -682,7 +682,7 @@ impl Containers {
                 let pid = built
                     .map_err(|source| ContainerError::Build {
                         what: "starting the exec process",
-                        source,
+                        source: Box::new(source),
                         events,
                     })?
                     .as_raw();
