@@ -940,7 +940,9 @@ mod tests {
 
     #[test]
     fn an_exec_of_a_container_without_seccomp_is_left_to_libcontainer() {
-        let p = process(&format!(r#"{{"cwd":"/","args":["sh"],{CAPS}}}"#));
+        let p = process(&format!(
+            r#"{{"cwd":"/","args":["sh"],"user":{{"uid":0,"gid":0}},{CAPS}}}"#
+        ));
         let (out, seccomp) = ExecSeccomp::plan(None, p.clone()).expect("plan");
         assert_eq!(out, p);
         assert!(seccomp.is_none());
@@ -949,7 +951,7 @@ mod tests {
     #[test]
     fn with_no_new_privs_the_filter_is_loaded_last_and_caps_stay_with_libcontainer() {
         let p = process(&format!(
-            r#"{{"cwd":"/","args":["sh"],"noNewPrivileges":true,{CAPS}}}"#
+            r#"{{"cwd":"/","args":["sh"],"user":{{"uid":0,"gid":0}},"noNewPrivileges":true,{CAPS}}}"#
         ));
         let (out, seccomp) =
             ExecSeccomp::plan(Some(&filter("SCMP_ACT_ALLOW")), p.clone()).expect("plan");
@@ -961,7 +963,9 @@ mod tests {
 
     #[test]
     fn without_no_new_privs_the_caps_are_dropped_after_the_filter_is_loaded() {
-        let p = process(&format!(r#"{{"cwd":"/","args":["sh"],{CAPS}}}"#));
+        let p = process(&format!(
+            r#"{{"cwd":"/","args":["sh"],"user":{{"uid":0,"gid":0}},{CAPS}}}"#
+        ));
         let (out, seccomp) =
             ExecSeccomp::plan(Some(&filter("SCMP_ACT_ALLOW")), p.clone()).expect("plan");
         assert!(out.capabilities().is_none(), "{out:?}");
@@ -972,7 +976,7 @@ mod tests {
 
     #[test]
     fn a_notify_profile_is_refused_for_execs() {
-        let p = process(r#"{"cwd":"/","args":["sh"]}"#);
+        let p = process(r#"{"cwd":"/","args":["sh"],"user":{"uid":0,"gid":0}}"#);
         let err = ExecSeccomp::plan(Some(&filter("SCMP_ACT_NOTIFY")), p)
             .err()
             .expect("refused");
