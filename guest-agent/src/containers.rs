@@ -921,6 +921,48 @@ pub fn read_stats(dir: &Path) -> Stats {
     }
 }
 
+/// The whole guest's figures, for the pod's sandbox (its VM): CPU from the root cgroup's
+/// cpu.stat, memory in use (MemTotal - MemAvailable) and MemTotal as the limit, the number of
+/// processes, and the OOM kills since boot (/proc/vmstat).
+pub fn guest_stats() -> Stats {
+    let cpu = std::fs::read_to_string(Path::new(CGROUP_ROOT).join("cpu.stat")).unwrap_or_default();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+    let processes = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    e.file_name()
+                        .to_str()
+                        .is_some_and(|n| n.parse::<u32>().is_ok())
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    guest_stats_from(&cpu, &meminfo, &vmstat, processes as u64)
+}
+
+fn meminfo_kib(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(key)?.strip_prefix(':')?;
+        rest.trim().trim_end_matches("kB").trim().parse().ok()
+    })
+}
+
+fn guest_stats_from(cpu: &str, meminfo: &str, vmstat: &str, processes: u64) -> Stats {
+    let total = meminfo_kib(meminfo, "MemTotal").unwrap_or(0);
+    let available = meminfo_kib(meminfo, "MemAvailable").unwrap_or(total);
+    Stats {
+        cpu_usage_usec: keyed(cpu, "usage_usec").unwrap_or(0),
+        cpu_user_usec: keyed(cpu, "user_usec").unwrap_or(0),
+        cpu_system_usec: keyed(cpu, "system_usec").unwrap_or(0),
+        memory_usage_bytes: total.saturating_sub(available).saturating_mul(1024),
+        memory_limit_bytes: total.saturating_mul(1024),
+        pids_current: processes,
+        oom_kills: keyed(vmstat, "oom_kill").unwrap_or(0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -981,6 +1023,33 @@ mod tests {
             .err()
             .expect("refused");
         assert!(err.to_string().contains("SCMP_ACT_NOTIFY"), "{err}");
+    }
+
+    #[test]
+    fn guest_stats_from_proc_files() {
+        let stats = guest_stats_from(
+            "usage_usec 900\nuser_usec 600\nsystem_usec 300\nnr_periods 0\n",
+            "MemTotal:         262144 kB\nMemFree:          200000 kB\nMemAvailable:     225280 kB\n",
+            "nr_free_pages 5\noom_kill 2\n",
+            7,
+        );
+        assert_eq!(
+            stats,
+            Stats {
+                cpu_usage_usec: 900,
+                cpu_user_usec: 600,
+                cpu_system_usec: 300,
+                memory_usage_bytes: (262144 - 225280) * 1024,
+                memory_limit_bytes: 262144 * 1024,
+                pids_current: 7,
+                oom_kills: 2,
+            }
+        );
+        // Garbage gives zeros, never a panic.
+        assert_eq!(
+            guest_stats_from("x", "MemTotal: lots", "", 0),
+            Stats::default()
+        );
     }
 
     #[test]

@@ -236,10 +236,13 @@ impl Agent for AgentService {
     }
 
     fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {
-        let s = self
-            .containers
-            .stats(&req.container_id)
-            .map_err(|e| failed("Stats", e))?;
+        let s = if req.container_id.is_empty() {
+            crate::containers::guest_stats()
+        } else {
+            self.containers
+                .stats(&req.container_id)
+                .map_err(|e| failed("Stats", e))?
+        };
         Ok(StatsResponse {
             cpu_usage_usec: s.cpu_usage_usec,
             cpu_user_usec: s.cpu_user_usec,

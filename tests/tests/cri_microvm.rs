@@ -640,3 +640,95 @@ async fn a_container_that_cannot_be_created_fails_naming_the_cause_and_the_value
     assert!(log.iter().any(|l| l.text == "still-fine"), "{log:?}");
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// containerd's log lines that mention `needle`.
+fn containerd_log_lines(ctrd: &PrivateContainerd, needle: &str) -> Vec<String> {
+    std::fs::read_to_string(ctrd.dir().join("containerd.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_string)
+        .collect()
+}
+
+/// ListContainerStats without a filter (containerd asks every task of the namespace, the pod's
+/// sandbox too) succeeds and reports the app container; containerd logs no "collecting metrics"
+/// error for the sandbox, which answers with the whole guest's figures. A normal stop of the
+/// pod logs no warning from the shim about the OOM watch (its agent connection ends with the VM,
+/// as it should).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_container_stats_and_a_normal_stop_log_no_errors_or_warnings() {
+    use microvm_tests::cri::container_config;
+    use microvm_tests::cri::v1::runtime_service_client::RuntimeServiceClient;
+    use microvm_tests::cri::v1::ListContainerStatsRequest;
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
+    let pod = run_pod(&ctrd, &cri, "microvm-quiet").await;
+    let id = cri
+        .create_container(
+            &pod,
+            container_config("sleeper", BUSYBOX_IMAGE, &["sleep", "3600"]),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&id).await.unwrap();
+
+    let path = ctrd.socket().to_path_buf();
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .unwrap();
+    let mut runtime = RuntimeServiceClient::new(channel);
+    let stats = tokio::time::timeout(
+        CALL_TIMEOUT,
+        runtime.list_container_stats(ListContainerStatsRequest { filter: None }),
+    )
+    .await
+    .expect("ListContainerStats in time")
+    .unwrap_or_else(|e| {
+        panic!(
+            "ListContainerStats: {e}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        )
+    })
+    .into_inner()
+    .stats;
+    let ours = stats
+        .iter()
+        .find(|s| s.attributes.as_ref().is_some_and(|a| a.id == id))
+        .unwrap_or_else(|| panic!("no stats of {id}: {stats:?}"));
+    let memory = ours
+        .memory
+        .as_ref()
+        .and_then(|m| m.working_set_bytes.as_ref())
+        .map(|v| v.value)
+        .unwrap_or(0);
+    assert!(memory > 0, "{ours:?}");
+    let errors = containerd_log_lines(&ctrd, "collecting metrics");
+    assert!(
+        errors.iter().all(|l| !l.contains(&pod.id)),
+        "containerd logged metrics errors for the pod's sandbox:\n{}",
+        errors.join("\n")
+    );
+
+    remove_pod(&ctrd, &cri, &pod).await;
+    // The shim's log lines reach containerd's log (so the check below can see a warning).
+    let ended = containerd_log_lines(&ctrd, "VM ended");
+    assert!(
+        ended.iter().any(|l| l.contains(&pod.id)),
+        "no shim log line of the pod's end in containerd's log"
+    );
+    let oom_warnings = containerd_log_lines(&ctrd, "watching for OOM kills");
+    assert!(
+        oom_warnings.is_empty(),
+        "a normal stop logged OOM-watch warnings:\n{}",
+        oom_warnings.join("\n")
+    );
+}

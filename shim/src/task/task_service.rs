@@ -41,6 +41,8 @@ pub(crate) type TtrpcResult<T> = Result<T, ttrpc::Error>;
 
 /// Each GetOomEvent long poll to the agent is bounded by this.
 const OOM_POLL: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a failed OOM poll waits for the VM's end before it counts as a failure.
+const OOM_WATCH_END_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 
 pub(crate) fn status(code: Code, message: impl Into<String>) -> ttrpc::Error {
     ttrpc::Error::RpcStatus(ttrpc::get_status(code, message.into()))
@@ -394,7 +396,18 @@ impl TaskService {
                     }
                     Ok(Ok(None)) => {}
                     Ok(Err(e)) => {
-                        if exit.borrow().is_some() {
+                        // The agent's connection ends with the VM: a stopping pod is no
+                        // failure. Give the VM's end (or the VM's going away) a moment to be
+                        // seen before calling it one.
+                        let mut ending = exit.clone();
+                        let ended = tokio::time::timeout(
+                            OOM_WATCH_END_GRACE,
+                            ending.wait_for(|e| e.is_some()),
+                        )
+                        .await
+                        .is_ok();
+                        if ended || exit.borrow().is_some() {
+                            log::debug!("OOM watcher: the VM ended ({e})");
                             break;
                         }
                         if !warned {
@@ -1101,17 +1114,30 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::StatsRequest,
     ) -> TtrpcResult<api::StatsResponse> {
-        let agent = {
+        // The sandbox (the VM) answers with the whole guest's figures (agent Stats of ""):
+        // containerd asks every task for its metrics (ListContainerStats without a filter) and
+        // logs an error for each that fails.
+        let (agent, agent_id, what) = {
             let inner = self.inner.lock().await;
-            inner.app(&req.id)?;
-            inner.pod_agent_and_socket()?.0
+            let c = inner
+                .containers
+                .get(&req.id)
+                .ok_or_else(|| not_found(&req.id))?;
+            if c.app_exit.is_some() {
+                let what = format!("reading the stats of container {}", req.id);
+                (inner.pod_agent_and_socket()?.0, req.id.clone(), what)
+            } else {
+                if c.exit.borrow().is_some() {
+                    return Err(status(
+                        Code::NOT_FOUND,
+                        format!("microvm: the VM of sandbox {} has ended", req.id),
+                    ));
+                }
+                let what = format!("reading the guest's stats for sandbox {}", req.id);
+                (inner.pod_agent_and_socket()?.0, String::new(), what)
+            }
         };
-        let id = req.id.clone();
-        let stats = agent_call(
-            format!("reading the stats of container {}", req.id),
-            move || agent.stats(&id),
-        )
-        .await?;
+        let stats = agent_call(what, move || agent.stats(&agent_id)).await?;
         let any = crate::task::metrics::metrics_any(&stats)
             .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
         Ok(api::StatsResponse {
