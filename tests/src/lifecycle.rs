@@ -28,6 +28,8 @@ pub enum LifecycleError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the guest RAM in /proc/{pid}/smaps: {reason}")]
+    GuestRam { pid: i32, reason: String },
     #[error("`{command}` exited {status} (expected 0: usable, or 2: a Linux guest cannot boot under the embedded VMM):\n{output}")]
     CheckHost {
         command: String,
@@ -108,6 +110,10 @@ pub struct LifecycleOptions {
     /// A failed ExecSync is recorded in [`LifecycleOutcome::exec_error`] instead of ending the
     /// lifecycle early.
     pub tolerate_exec_failure: bool,
+    /// For pods whose shim holds the VM (the embedded VMM): the VM's guest memory in bytes. The
+    /// idle memory then also splits the shim's memory into the guest RAM the guest touched and
+    /// the rest ([`PodMemory::shim_split`]); a guest RAM mapping not found is an error.
+    pub split_guest_ram_of: Option<u64>,
 }
 
 /// Runs one timed pod lifecycle with `handler`. On an error the pod is left for the harness's
@@ -165,7 +171,11 @@ pub async fn timed_pod_lifecycle_with(
     let idle_memory = match opts.idle_memory_after {
         Some(settle) => {
             tokio::time::sleep(settle).await;
-            Some(pod_host_memory(ctrd, &pod.id))
+            let mut memory = pod_host_memory(ctrd, &pod.id);
+            if let Some(guest_bytes) = opts.split_guest_ram_of {
+                memory.shim_split = Some(shim_guest_ram_split(&processes, guest_bytes)?);
+            }
+            Some(memory)
         }
         None => None,
     };
@@ -359,6 +369,9 @@ fn process_table() -> Vec<ProcEntry> {
 pub struct PodMemory {
     /// `(pid, process name, PSS bytes)` of every process of the pod.
     pub processes: Vec<(i32, String, u64)>,
+    /// With [`LifecycleOptions::split_guest_ram_of`]: the shim process (which holds the VMM and
+    /// the guest RAM) split into guest RAM and the rest, read right after `processes`.
+    pub shim_split: Option<GuestRamSplit>,
 }
 
 impl PodMemory {
@@ -397,7 +410,215 @@ pub fn pod_host_memory(ctrd: &PrivateContainerd, pod_id: &str) -> PodMemory {
             processes.push((pid, name, pss_bytes(pid)));
         }
     }
-    PodMemory { processes }
+    PodMemory {
+        processes,
+        shim_split: None,
+    }
+}
+
+/// The name the embedded VMM gives its guest RAM mappings (`vmm::memory::GUEST_RAM_VMA_NAME`),
+/// shown as `[anon:microvm-guest-ram]` on kernels with CONFIG_ANON_VMA_NAME.
+pub const GUEST_RAM_VMA_NAME: &str = "microvm-guest-ram";
+
+/// One mapping of `/proc/<pid>/smaps` (sizes in bytes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SmapsEntry {
+    pub start: u64,
+    pub end: u64,
+    /// `rw-p` and the like.
+    pub perms: String,
+    pub inode: u64,
+    /// The path or pseudo-name (`[heap]`, `[anon:name]`); empty for a plain anonymous mapping.
+    pub name: String,
+    pub size: u64,
+    pub rss: u64,
+    pub pss: u64,
+    /// The `VmFlags` two-letter codes (`rd`, `wr`, `dd`, ...).
+    pub flags: Vec<String>,
+}
+
+impl SmapsEntry {
+    fn is_plain_anonymous(&self) -> bool {
+        self.inode == 0 && self.name.is_empty()
+    }
+}
+
+/// Parses the text of `/proc/<pid>/smaps`. Lines it does not know are skipped.
+pub fn parse_smaps(text: &str) -> Vec<SmapsEntry> {
+    let mut entries: Vec<SmapsEntry> = Vec::new();
+    for line in text.lines() {
+        if let Some(entry) = parse_smaps_header(line) {
+            entries.push(entry);
+            continue;
+        }
+        let Some(current) = entries.last_mut() else {
+            continue;
+        };
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        if key == "VmFlags" {
+            current.flags = value.split_whitespace().map(str::to_string).collect();
+            continue;
+        }
+        let kib = |v: &str| -> Option<u64> {
+            let mut words = v.split_whitespace();
+            let n = words.next()?.parse::<u64>().ok()?;
+            (words.next() == Some("kB")).then_some(n * 1024)
+        };
+        match key {
+            "Size" => current.size = kib(value).unwrap_or(0),
+            "Rss" => current.rss = kib(value).unwrap_or(0),
+            "Pss" => current.pss = kib(value).unwrap_or(0),
+            _ => {}
+        }
+    }
+    entries
+}
+
+/// `start-end perms offset dev inode [name]`, or `None` for any other line.
+fn parse_smaps_header(line: &str) -> Option<SmapsEntry> {
+    let mut rest = line;
+    let mut field = || -> Option<&str> {
+        let trimmed = rest.trim_start();
+        let end = trimmed.find(' ').unwrap_or(trimmed.len());
+        let (word, tail) = trimmed.split_at(end);
+        rest = tail;
+        (!word.is_empty()).then_some(word)
+    };
+    let (start, end) = field()?.split_once('-')?;
+    let start = u64::from_str_radix(start, 16).ok()?;
+    let end = u64::from_str_radix(end, 16).ok()?;
+    let perms = field()?;
+    if perms.len() != 4 {
+        return None;
+    }
+    let perms = perms.to_string();
+    u64::from_str_radix(field()?, 16).ok()?; // offset
+    field()?.split_once(':')?; // device
+    let inode = field()?.parse().ok()?;
+    Some(SmapsEntry {
+        start,
+        end,
+        perms,
+        inode,
+        name: rest.trim().to_string(),
+        ..SmapsEntry::default()
+    })
+}
+
+/// How the guest RAM mappings were told apart from the VMM's own memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestRamMatch {
+    /// Named `[anon:microvm-guest-ram]` (kernels with CONFIG_ANON_VMA_NAME).
+    Name,
+    /// Anonymous with the `dd` (MADV_DONTDUMP) flag the VMM sets, adding up to the guest size.
+    NoDumpFlagAndSize,
+    /// The one anonymous mapping of exactly the guest size (a VMM that marks nothing).
+    Size,
+}
+
+impl std::fmt::Display for GuestRamMatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GuestRamMatch::Name => "by its name",
+            GuestRamMatch::NoDumpFlagAndSize => "by its no-dump flag and size",
+            GuestRamMatch::Size => "by its size",
+        })
+    }
+}
+
+/// A VMM process's memory split into guest RAM and the rest (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestRamSplit {
+    /// The guest memory size (the guest RAM mappings' total size).
+    pub guest_size: u64,
+    /// Guest pages present in host memory (touched by the guest or the VMM's loader).
+    pub guest_rss: u64,
+    /// Their proportional share (equal to the RSS unless pages are shared, e.g. after a fork).
+    pub guest_pss: u64,
+    /// The whole process's PSS, from the same reading.
+    pub process_pss: u64,
+    /// How the guest RAM was found.
+    pub matched: GuestRamMatch,
+}
+
+impl GuestRamSplit {
+    /// The process's PSS beyond guest RAM: the VMM, its devices, and whatever else the process
+    /// is (the shim, for pods).
+    pub fn own_pss(&self) -> u64 {
+        self.process_pss.saturating_sub(self.guest_pss)
+    }
+}
+
+/// Finds the guest RAM of a VM of `guest_bytes` in a VMM process's smaps: by name where the
+/// kernel shows it, else the anonymous `dd` mappings adding up to the guest size, else the one
+/// anonymous mapping of exactly that size. Anything else is an error saying what was seen.
+pub fn split_guest_ram(entries: &[SmapsEntry], guest_bytes: u64) -> Result<GuestRamSplit, String> {
+    let named_as = format!("[anon:{GUEST_RAM_VMA_NAME}]");
+    let named: Vec<&SmapsEntry> = entries.iter().filter(|e| e.name == named_as).collect();
+    let no_dump: Vec<&SmapsEntry> = entries
+        .iter()
+        .filter(|e| e.is_plain_anonymous() && e.flags.iter().any(|f| f == "dd"))
+        .collect();
+    let of_size: Vec<&SmapsEntry> = entries
+        .iter()
+        .filter(|e| e.is_plain_anonymous() && e.size == guest_bytes)
+        .collect();
+    let total = |v: &[&SmapsEntry]| v.iter().map(|e| e.size).sum::<u64>();
+    let (guest, matched) = if !named.is_empty() {
+        (named, GuestRamMatch::Name)
+    } else if !no_dump.is_empty() && total(&no_dump) == guest_bytes {
+        (no_dump, GuestRamMatch::NoDumpFlagAndSize)
+    } else if of_size.len() == 1 {
+        (of_size, GuestRamMatch::Size)
+    } else {
+        return Err(format!(
+            "no mapping named {named_as}, {} anonymous no-dump mappings of {} bytes in all, {} \
+             anonymous mappings of the guest size {guest_bytes} bytes: cannot tell the guest \
+             RAM apart",
+            no_dump.len(),
+            total(&no_dump),
+            of_size.len()
+        ));
+    };
+    if total(&guest) != guest_bytes {
+        return Err(format!(
+            "the mappings named {named_as} hold {} bytes, the guest has {guest_bytes}",
+            total(&guest)
+        ));
+    }
+    Ok(GuestRamSplit {
+        guest_size: guest_bytes,
+        guest_rss: guest.iter().map(|e| e.rss).sum(),
+        guest_pss: guest.iter().map(|e| e.pss).sum(),
+        process_pss: entries.iter().map(|e| e.pss).sum(),
+        matched,
+    })
+}
+
+/// [`split_guest_ram`] of the live process `pid`.
+pub fn guest_ram_split_of(pid: i32, guest_bytes: u64) -> Result<GuestRamSplit, LifecycleError> {
+    let path = format!("/proc/{pid}/smaps");
+    let text = std::fs::read_to_string(&path).map_err(|source| LifecycleError::Io {
+        what: format!("reading {path}"),
+        source,
+    })?;
+    split_guest_ram(&parse_smaps(&text), guest_bytes)
+        .map_err(|reason| LifecycleError::GuestRam { pid, reason })
+}
+
+/// The split of a pod's shim (the first of its processes, [`pod_processes`] lists parents
+/// first), which holds the VM under the embedded VMM.
+fn shim_guest_ram_split(
+    processes: &[PodProcess],
+    guest_bytes: u64,
+) -> Result<GuestRamSplit, LifecycleError> {
+    let shim = processes.first().ok_or_else(|| LifecycleError::GuestRam {
+        pid: 0,
+        reason: "the pod has no shim process".to_string(),
+    })?;
+    guest_ram_split_of(shim.pid, guest_bytes)
 }
 
 /// The accelerator of a pod's QEMU (`TCG`, `KVM`), from its `-accel` argument; `None` when the
@@ -624,6 +845,7 @@ mod tests {
     fn pod_memory_sums_per_name() {
         let m = PodMemory {
             processes: vec![(1, "a".into(), 5), (2, "b".into(), 7), (3, "a".into(), 4)],
+            shim_split: None,
         };
         assert_eq!(m.total(), 16);
         assert_eq!(
@@ -638,5 +860,126 @@ mod tests {
         let table = process_table();
         let me = table.iter().find(|p| p.pid == own).expect("own process");
         assert!(table.iter().any(|p| p.pid == me.ppid));
+    }
+
+    /// A shortened /proc/<pid>/smaps of a shim running a 256 MiB VM on the embedded VMM (a
+    /// kernel without CONFIG_ANON_VMA_NAME), with an unmarked anonymous mapping of the same
+    /// size next to it and a glibc arena.
+    const SMAPS: &str = "\
+55d0c0a00000-55d0c1200000 r-xp 00000000 fd:01 1311234                    /usr/bin/containerd-shim-microvm-v1
+Size:               8192 kB
+KernelPageSize:        4 kB
+MMUPageSize:           4 kB
+Rss:                2048 kB
+Pss:                2048 kB
+Pss_Dirty:             0 kB
+VmFlags: rd ex mr mw me
+7f0000000000-7f0010000000 rw-p 00000000 00:00 0 
+Size:             262144 kB
+KernelPageSize:        4 kB
+MMUPageSize:           4 kB
+Rss:               40960 kB
+Pss:               40000 kB
+Pss_Dirty:         40000 kB
+Anonymous:         40960 kB
+VmFlags: rd wr mr mw me nr dd
+7f0010000000-7f0020000000 rw-p 00000000 00:00 0 
+Size:             262144 kB
+Rss:                 100 kB
+Pss:                 100 kB
+VmFlags: rd wr mr mw me ac
+7f0020000000-7f0020021000 rw-p 00000000 00:00 0 
+Size:                132 kB
+Rss:                  12 kB
+Pss:                  12 kB
+VmFlags: rd wr mr mw me nr
+7ffd1c3f0000-7ffd1c411000 rw-p 00000000 00:00 0                          [stack]
+Size:                132 kB
+Rss:                  24 kB
+Pss:                  24 kB
+VmFlags: rd wr mr mw me gd ac
+";
+
+    #[test]
+    fn smaps_entries_are_parsed() {
+        let e = parse_smaps(SMAPS);
+        assert_eq!(e.len(), 5);
+        assert_eq!(e[0].name, "/usr/bin/containerd-shim-microvm-v1");
+        assert_eq!(e[0].inode, 1311234);
+        assert_eq!(e[0].perms, "r-xp");
+        assert_eq!((e[0].size, e[0].rss), (8192 * 1024, 2048 * 1024));
+        assert_eq!(e[1].start, 0x7f00_0000_0000);
+        assert_eq!(e[1].end, 0x7f00_1000_0000);
+        assert!(e[1].is_plain_anonymous());
+        assert_eq!(e[1].pss, 40000 * 1024, "Pss, not Pss_Dirty");
+        assert!(e[1].flags.iter().any(|f| f == "dd"));
+        assert_eq!(e[4].name, "[stack]");
+        assert!(!e[4].is_plain_anonymous());
+        assert!(parse_smaps("garbage\nSize: 4 kB\n").is_empty());
+    }
+
+    #[test]
+    fn guest_ram_is_found_by_its_no_dump_flag_and_size() {
+        let guest = 256 << 20;
+        let s = split_guest_ram(&parse_smaps(SMAPS), guest).unwrap();
+        assert_eq!(s.matched, GuestRamMatch::NoDumpFlagAndSize);
+        assert_eq!((s.guest_size, s.guest_rss), (guest, 40960 * 1024));
+        assert_eq!(s.guest_pss, 40000 * 1024);
+        assert_eq!(s.process_pss, (2048 + 40000 + 100 + 12 + 24) * 1024);
+        assert_eq!(s.own_pss(), (2048 + 100 + 12 + 24) * 1024);
+    }
+
+    #[test]
+    fn guest_ram_is_found_by_name_first() {
+        // The kernel names the mapping; the VMM split it in two (e.g. a flag on one part).
+        let text = SMAPS
+            .replacen(
+                "7f0000000000-7f0010000000 rw-p 00000000 00:00 0 ",
+                "7f0000000000-7f0008000000 rw-p 00000000 00:00 0   [anon:microvm-guest-ram]\n\
+                 Size: 131072 kB\nRss: 1024 kB\nPss: 1024 kB\n\
+                 7f0008000000-7f0010000000 rw-p 00000000 00:00 0   [anon:microvm-guest-ram]",
+                1,
+            )
+            .replacen("Size:             262144 kB", "Size: 131072 kB", 1);
+        let s = split_guest_ram(&parse_smaps(&text), 256 << 20).unwrap();
+        assert_eq!(s.matched, GuestRamMatch::Name);
+        assert_eq!(s.guest_rss, (1024 + 40960) * 1024);
+        // Named mappings that do not add up to the guest are an error, not a guess.
+        let e = split_guest_ram(&parse_smaps(&text), 512 << 20).unwrap_err();
+        assert!(e.contains("hold 268435456 bytes"), "{e}");
+    }
+
+    #[test]
+    fn guest_ram_of_an_unmarking_vmm_is_found_by_size_only_if_unique() {
+        let unmarked = SMAPS.replace("nr dd", "nr");
+        // Two anonymous mappings of 256 MiB: ambiguous.
+        let e = split_guest_ram(&parse_smaps(&unmarked), 256 << 20).unwrap_err();
+        assert!(e.contains("2 anonymous mappings of the guest size"), "{e}");
+        let one = unmarked.replacen(
+            "7f0010000000-7f0020000000 rw-p 00000000 00:00 0 ",
+            "7f0010000000-7f0020000000 rw-p 00000000 00:00 0   [heap]",
+            1,
+        );
+        let s = split_guest_ram(&parse_smaps(&one), 256 << 20).unwrap();
+        assert_eq!(s.matched, GuestRamMatch::Size);
+        assert_eq!(s.guest_pss, 40000 * 1024);
+        // A guest size nothing matches.
+        assert!(split_guest_ram(&parse_smaps(SMAPS), 128 << 20).is_err());
+    }
+
+    #[test]
+    fn the_guest_ram_name_is_the_vmm_one() {
+        assert_eq!(GUEST_RAM_VMA_NAME, vmm::memory::GUEST_RAM_VMA_NAME);
+    }
+
+    #[test]
+    fn guest_ram_of_a_live_vmm_mapping_is_found() {
+        // What the embedded VMM maps, in this process: found by name or by its no-dump flag.
+        let guest = 32 << 20;
+        let mem = vmm::memory::create_guest_memory(guest).unwrap();
+        let s = guest_ram_split_of(std::process::id() as i32, guest).unwrap();
+        assert_ne!(s.matched, GuestRamMatch::Size);
+        assert!(s.process_pss > s.guest_pss);
+        drop(mem);
     }
 }
