@@ -19,6 +19,7 @@ mod runtime_log;
 mod server;
 mod service;
 mod stdio;
+mod sysctl;
 
 use std::io::Write;
 use std::path::PathBuf;

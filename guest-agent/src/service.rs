@@ -314,6 +314,22 @@ impl Agent for AgentService {
         Ok(RemoveExecResponse::new())
     }
 
+    fn set_sysctls(
+        &self,
+        _ctx: &TtrpcContext,
+        req: SetSysctlsRequest,
+    ) -> ttrpc::Result<SetSysctlsResponse> {
+        crate::sysctl::apply(&req.sysctls).map_err(|e| {
+            log::warn!("SetSysctls: {e}");
+            let code = match e {
+                crate::sysctl::SysctlError::Write { .. } => Code::FAILED_PRECONDITION,
+                _ => Code::INVALID_ARGUMENT,
+            };
+            rpc_error(code, e)
+        })?;
+        Ok(SetSysctlsResponse::new())
+    }
+
     fn get_oom_event(
         &self,
         ctx: &TtrpcContext,

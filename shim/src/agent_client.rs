@@ -510,6 +510,24 @@ impl AgentClient {
     }
 
     /// Forgets an exec process that has exited (or never started).
+    /// Writes the pod's sysctls in the guest (name -> value).
+    pub fn set_sysctls(
+        &self,
+        sysctls: std::collections::HashMap<String, String>,
+    ) -> Result<(), AgentError> {
+        let req = agent_protocol::agent::SetSysctlsRequest {
+            sysctls,
+            ..Default::default()
+        };
+        self.rpc
+            .set_sysctls(self.context(), &req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "SetSysctls",
+                source,
+            })
+    }
+
     pub fn remove_exec(&self, container_id: &str, exec_id: &str) -> Result<(), AgentError> {
         let req = agent_protocol::agent::RemoveExecRequest {
             container_id: container_id.to_owned(),

@@ -732,3 +732,58 @@ async fn list_container_stats_and_a_normal_stop_log_no_errors_or_warnings() {
         oom_warnings.join("\n")
     );
 }
+
+/// The pod's sysctls (containerd puts them on the sandbox spec only) take effect in the guest
+/// for every container of the pod: IPC ones (`kernel.shm_rmid_forced`, `fs.mqueue.msg_max`) and
+/// network ones (`net.ipv4.ip_unprivileged_port_start`), read by two containers. A sysctl the
+/// guest kernel does not have fails RunPodSandbox naming it, and leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_sysctls_apply_to_every_container_and_a_bad_one_fails_naming_it() {
+    let _serial = SERIAL.lock().await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
+    let before = state_entries();
+    let sysctls: HashMap<String, String> = [
+        ("kernel.shm_rmid_forced", "1"),
+        ("fs.mqueue.msg_max", "20"),
+        ("net.ipv4.ip_unprivileged_port_start", "80"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let mut config = ctrd.pod_config("microvm-sysctls", HashMap::new()).unwrap();
+    config.linux.get_or_insert_with(Default::default).sysctls = sysctls;
+    let pod = cri
+        .run_pod_sandbox(config, "microvm")
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let read = [
+        "cat",
+        "/proc/sys/kernel/shm_rmid_forced",
+        "/proc/sys/fs/mqueue/msg_max",
+        "/proc/sys/net/ipv4/ip_unprivileged_port_start",
+    ];
+    for name in ["first", "second"] {
+        let (lines, code) = run_to_exit(&ctrd, &cri, &pod, name, &read).await;
+        assert_eq!(code, 0, "{name}: {lines:?}");
+        assert_eq!(lines, ["1", "20", "80"], "{name}: the pod's sysctls");
+    }
+    remove_pod(&ctrd, &cri, &pod).await;
+
+    let mut config = ctrd
+        .pod_config("microvm-bad-sysctl", HashMap::new())
+        .unwrap();
+    config
+        .linux
+        .get_or_insert_with(Default::default)
+        .sysctls
+        .insert("kernel.no_such_sysctl".into(), "1".into());
+    let err = cri
+        .run_pod_sandbox(config, "microvm")
+        .await
+        .expect_err("a sysctl the guest does not have must fail the pod")
+        .to_string();
+    eprintln!("bad sysctl: {err}");
+    assert!(err.contains("kernel.no_such_sysctl"), "{err}");
+    assert!(err.contains("/proc/sys/kernel/no_such_sysctl"), "{err}");
+    assert_nothing_new(&ctrd, &before);
+}

@@ -137,6 +137,27 @@ pub fn rewrite_for_guest(
     Ok(binds)
 }
 
+/// The pod's sysctls: the sandbox spec's `linux.sysctl` (containerd puts Kubernetes'
+/// `securityContext.sysctls` there only), name -> value.
+pub fn pod_sysctls(
+    sandbox_spec: &Value,
+) -> Result<std::collections::HashMap<String, String>, SpecError> {
+    let Some(map) = sandbox_spec.pointer("/linux/sysctl") else {
+        return Ok(Default::default());
+    };
+    let map = map
+        .as_object()
+        .ok_or_else(|| SpecError::Invalid("linux.sysctl is not an object".into()))?;
+    map.iter()
+        .map(|(k, v)| match v.as_str() {
+            Some(v) => Ok((k.clone(), v.to_string())),
+            None => Err(SpecError::Invalid(format!(
+                "linux.sysctl {k:?}: the value is not a string"
+            ))),
+        })
+        .collect()
+}
+
 /// A host namespace a pod's sandbox spec asks to share, which a pod in its own VM cannot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostNamespace {
@@ -224,6 +245,17 @@ pub fn refuse_host_namespaces(sandbox_spec: &Value) -> Option<String> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn pod_sysctls_come_from_the_sandbox_spec() {
+        let spec = json!({"linux": {"sysctl": {"kernel.shm_rmid_forced": "1"}}});
+        let got = pod_sysctls(&spec).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got["kernel.shm_rmid_forced"], "1");
+        assert!(pod_sysctls(&json!({"linux": {}})).unwrap().is_empty());
+        assert!(pod_sysctls(&json!({"linux": {"sysctl": {"a": 1}}})).is_err());
+        assert!(pod_sysctls(&json!({"linux": {"sysctl": []}})).is_err());
+    }
 
     #[test]
     fn host_namespaces_are_those_the_sandbox_spec_leaves_out() {

@@ -190,8 +190,23 @@ impl TaskService {
         &self,
         req: &api::CreateTaskRequest,
         annotations: &HashMap<String, String>,
+        sysctls: HashMap<String, String>,
     ) -> TtrpcResult<u32> {
         let exit = self.boot_pod(req, annotations).await?;
+        if !sysctls.is_empty() {
+            // The pod's sysctls go to the VM's namespaces, which its containers share, before
+            // any container exists; a sysctl the guest refuses fails the pod, naming it.
+            let agent = self.pod_agent().await?;
+            if let Err(e) = agent_call(
+                format!("sandbox {}: setting the pod's sysctls in the guest", req.id),
+                move || agent.set_sysctls(sysctls),
+            )
+            .await
+            {
+                self.discard_pod(&req.id).await;
+                return Err(e);
+            }
+        }
         let pid = std::process::id();
         let mut inner = self.inner.lock().await;
         let agent = inner.pod.as_ref().map(|p| p.vm.agent());
@@ -224,17 +239,22 @@ impl TaskService {
                 Ok(pid)
             }
             Err(e) => {
-                let pod = self.inner.lock().await.pod.take();
-                if let Some(pod) = pod {
-                    pod.vm.stop(137);
-                    pod.vm.wait().await;
-                    let state = pod.state.clone();
-                    drop(pod);
-                    if let Ok(Err(c)) = tokio::task::spawn_blocking(move || state.cleanup()).await {
-                        log::warn!("container {}: cleanup after a failed create: {c}", req.id);
-                    }
-                }
+                self.discard_pod(&req.id).await;
                 Err(e)
+            }
+        }
+    }
+
+    /// Stops this shim's pod VM after a failed create and removes its state directory.
+    async fn discard_pod(&self, id: &str) {
+        let pod = self.inner.lock().await.pod.take();
+        if let Some(pod) = pod {
+            pod.vm.stop(137);
+            pod.vm.wait().await;
+            let state = pod.state.clone();
+            drop(pod);
+            if let Ok(Err(c)) = tokio::task::spawn_blocking(move || state.cleanup()).await {
+                log::warn!("{id}: cleanup after a failed create: {c}");
             }
         }
     }
@@ -698,7 +718,9 @@ impl Task for TaskService {
                         format!("microvm: sandbox {}: {refusal}", req.id),
                     ));
                 }
-                self.create_sandbox(&req, &annotations).await?
+                let sysctls = guest_spec::pod_sysctls(&spec)
+                    .map_err(|e| status(Code::INVALID_ARGUMENT, format!("microvm: {e}")))?;
+                self.create_sandbox(&req, &annotations, sysctls).await?
             }
             Role::App { sandbox_id } => self.create_app(&req, spec, &sandbox_id).await?,
             Role::Standalone => self.create_standalone(&req, spec, &annotations).await?,
