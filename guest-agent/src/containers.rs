@@ -308,6 +308,23 @@ fn ns_file(kind: LinuxNamespaceType) -> &'static str {
     }
 }
 
+/// `rootfsPropagation` as libcontainer 0.7 knows it. runc accepts the recursive spellings too,
+/// and containerd writes them (`rshared` for a Bidirectional volume, `rslave` for
+/// HostToContainer); libcontainer knows only `shared`, `slave`, `private` and `unbindable`, and
+/// makes the root's propagation recursive (MS_REC) for each anyway.
+fn rootfs_propagation(value: &str) -> Result<&'static str, ContainerError> {
+    match value {
+        "shared" | "rshared" => Ok("shared"),
+        "slave" | "rslave" => Ok("slave"),
+        "private" | "rprivate" => Ok("private"),
+        "unbindable" | "runbindable" => Ok("unbindable"),
+        other => Err(ContainerError::Spec(format!(
+            "linux.rootfsPropagation {other:?}: not one of shared, slave, private, unbindable \
+             (or their r- forms)"
+        ))),
+    }
+}
+
 /// Binds a console socket, runs `build`, then receives the pty master libcontainer's init sends.
 fn with_console<T>(
     dir: &Path,
@@ -408,10 +425,14 @@ impl Containers {
         Ok((entry, proc))
     }
 
-    /// Resolves `container:<id>` namespace paths and sets the agent's cgroup path.
+    /// Resolves `container:<id>` namespace paths, sets the agent's cgroup path and spells
+    /// `rootfsPropagation` as libcontainer knows it.
     fn rewrite_spec(&self, id: &str, spec: &mut Spec) -> Result<(), ContainerError> {
         let mut linux = spec.linux().clone().unwrap_or_default();
         linux.set_cgroups_path(Some(PathBuf::from(format!("{CGROUP_PARENT}/{id}"))));
+        if let Some(p) = linux.rootfs_propagation().clone() {
+            linux.set_rootfs_propagation(Some(rootfs_propagation(&p)?.to_owned()));
+        }
         if let Some(namespaces) = linux.namespaces().clone() {
             let mut out = Vec::with_capacity(namespaces.len());
             for mut ns in namespaces {
@@ -1023,6 +1044,24 @@ mod tests {
             .err()
             .expect("refused");
         assert!(err.to_string().contains("SCMP_ACT_NOTIFY"), "{err}");
+    }
+
+    #[test]
+    fn rootfs_propagation_accepts_what_runc_accepts() {
+        for (given, want) in [
+            ("rshared", "shared"),
+            ("shared", "shared"),
+            ("rslave", "slave"),
+            ("slave", "slave"),
+            ("rprivate", "private"),
+            ("private", "private"),
+            ("runbindable", "unbindable"),
+            ("unbindable", "unbindable"),
+        ] {
+            assert_eq!(rootfs_propagation(given).unwrap(), want, "{given}");
+        }
+        let err = rootfs_propagation("sideways").unwrap_err().to_string();
+        assert!(err.contains("\"sideways\""), "{err}");
     }
 
     #[test]

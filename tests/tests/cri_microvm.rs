@@ -787,3 +787,91 @@ async fn pod_sysctls_apply_to_every_container_and_a_bad_one_fails_naming_it() {
     assert!(err.contains("/proc/sys/kernel/no_such_sysctl"), "{err}");
     assert_nothing_new(&ctrd, &before);
 }
+
+/// `mount(8)` with `args`, panicking with its stderr on failure.
+fn host_mount(args: &[&str]) {
+    let out = std::process::Command::new("mount")
+        .args(args)
+        .output()
+        .expect("running mount");
+    assert!(
+        out.status.success(),
+        "mount {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Volumes with mount propagation, as runc accepts them (containerd writes `rootfsPropagation`
+/// `rslave` / `rshared` and the volume's options to match): HostToContainer and Bidirectional
+/// containers are created and run (before, libcontainer refused `rslave` with "failed to prepare
+/// rootfs"); a mount made on the host under the HostToContainer volume after the container
+/// started is visible inside it, through the shared filesystem. (Container to host cannot cross
+/// the VM: docs/shim.md.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_to_container_propagation_shows_later_host_mounts_inside() {
+    use microvm_tests::cri::container_config;
+    use microvm_tests::cri::v1::{Mount, MountPropagation};
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let (dir, _config, ctrd, cri) = start_with_busybox().await;
+    // containerd wants the source of a propagating volume on a shared mount.
+    let vol = dir.path().join("vol");
+    std::fs::create_dir_all(vol.join("later")).unwrap();
+    let vol_s = vol.display().to_string();
+    host_mount(&["--bind", &vol_s, &vol_s]);
+    host_mount(&["--make-rshared", &vol_s]);
+    let pod = run_pod(&ctrd, &cri, "microvm-propagation").await;
+    let mut ids = Vec::new();
+    for (name, path, propagation) in [
+        (
+            "host-to-container",
+            "/vol",
+            MountPropagation::PropagationHostToContainer,
+        ),
+        (
+            "bidirectional",
+            "/bidi",
+            MountPropagation::PropagationBidirectional,
+        ),
+    ] {
+        let mut config = container_config(name, BUSYBOX_IMAGE, &["sleep", "3600"]);
+        config.mounts = vec![Mount {
+            container_path: path.into(),
+            host_path: vol_s.clone(),
+            propagation: propagation as i32,
+            ..Default::default()
+        }];
+        let id = cri
+            .create_container(&pod, config)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        cri.start_container(&id)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        ids.push(id);
+    }
+    let later = vol.join("later");
+    let later_s = later.display().to_string();
+    host_mount(&[
+        "-t",
+        "tmpfs",
+        "-o",
+        "size=1m",
+        "microvm-test-later",
+        &later_s,
+    ]);
+    std::fs::write(later.join("hello"), "from a later host mount\n").unwrap();
+    for (id, path) in ids.iter().zip(["/vol", "/bidi"]) {
+        let file = format!("{path}/later/hello");
+        let out = cri.exec_sync(id, &["cat", &file], 60).await.unwrap();
+        assert_eq!(
+            (out.exit_code, out.stdout.as_str()),
+            (0, "from a later host mount\n"),
+            "{file} inside the container: {out:?}"
+        );
+    }
+    remove_pod(&ctrd, &cri, &pod).await;
+    let _ = std::process::Command::new("umount")
+        .args(["-R", &vol_s])
+        .status();
+}

@@ -31,6 +31,9 @@ pub struct ShareBind {
     pub relative: PathBuf,
     /// Whether the spec asks for it read-only.
     pub readonly: bool,
+    /// Whether the spec asks for mounts made under the host source later to show inside
+    /// (`rslave`/`rshared`: Kubernetes' HostToContainer and Bidirectional propagation).
+    pub from_host: bool,
 }
 
 /// Why a spec cannot be rewritten.
@@ -102,6 +105,9 @@ pub fn rewrite_for_guest(
                 host_source: PathBuf::from(source),
                 relative: relative.clone(),
                 readonly: options.iter().any(|o| o == "ro"),
+                from_host: options
+                    .iter()
+                    .any(|o| matches!(o.as_str(), "rslave" | "slave" | "rshared" | "shared")),
             });
             m["source"] = Value::String(format!("{GUEST_SHARED_DIR}/{}", relative.display()));
         }
@@ -366,17 +372,20 @@ mod tests {
                 ShareBind {
                     host_source: "/var/lib/containerd/sandboxes/s1/hosts".into(),
                     relative: "c1/mounts/1".into(),
-                    readonly: false
+                    readonly: false,
+                    from_host: false
                 },
                 ShareBind {
                     host_source: "/run/containerd/sandboxes/s1/shm".into(),
                     relative: "c1/mounts/2".into(),
-                    readonly: true
+                    readonly: true,
+                    from_host: false
                 },
                 ShareBind {
                     host_source: "/srv/vol".into(),
                     relative: "c1/mounts/3".into(),
-                    readonly: false
+                    readonly: false,
+                    from_host: false
                 },
             ]
         );

@@ -77,7 +77,7 @@ fn share_inner(
     fs::create_dir_all(&target).map_err(io_err("create", &target))?;
     state.record_mount(&target)?;
     if rootfs.is_empty() {
-        bind(bundle_rootfs, &target, false)?;
+        bind(bundle_rootfs, &target, false, false)?;
     }
     for m in rootfs {
         let source = (!m.source.is_empty()).then_some(m.source.as_str());
@@ -99,7 +99,7 @@ fn share_inner(
             fs::write(&dest, b"").map_err(io_err("create", &dest))?;
         }
         state.record_mount(&dest)?;
-        bind(&b.host_source, &dest, b.readonly)?;
+        bind(&b.host_source, &dest, b.readonly, b.from_host)?;
     }
     Ok(target)
 }
@@ -128,12 +128,20 @@ fn cstr(p: &Path) -> Result<CString, ShareError> {
     })
 }
 
-/// `mount --rbind source target`, then read-only if asked; private propagation either way.
-fn bind(source: &Path, target: &Path, readonly: bool) -> Result<(), ShareError> {
+/// `mount --rbind source target`, then read-only if asked. Private propagation, or with
+/// `from_host` slave: mounts made later under a shared source on the host appear in the share,
+/// hence in the guest through the shared filesystem (HostToContainer and Bidirectional volumes),
+/// while nothing mounted under the share goes back to the source.
+fn bind(source: &Path, target: &Path, readonly: bool, from_host: bool) -> Result<(), ShareError> {
     let t = cstr(target)?;
     mount(Some(&cstr(source)?), &t, libc::MS_BIND | libc::MS_REC)
         .map_err(io_err("bind-mount onto", target))?;
-    mount(None, &t, libc::MS_PRIVATE | libc::MS_REC).map_err(io_err("make private", target))?;
+    let (propagation, what) = if from_host {
+        (libc::MS_SLAVE, "make slave")
+    } else {
+        (libc::MS_PRIVATE, "make private")
+    };
+    mount(None, &t, propagation | libc::MS_REC).map_err(io_err(what, target))?;
     if readonly {
         mount(None, &t, libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY)
             .map_err(io_err("remount read-only", target))?;
@@ -214,11 +222,13 @@ mod tests {
                 host_source: hosts.clone(),
                 relative: "c1/mounts/1".into(),
                 readonly: true,
+                from_host: false,
             },
             ShareBind {
                 host_source: vol.clone(),
                 relative: "c1/mounts/2".into(),
                 readonly: false,
+                from_host: false,
             },
         ];
         let root =
@@ -260,6 +270,7 @@ mod tests {
             host_source: tmp.path().join("missing"),
             relative: "c2/mounts/0".into(),
             readonly: false,
+            from_host: false,
         }];
         let err = share_container(&state, "c2", &[], &image, &binds)
             .unwrap_err()
