@@ -585,8 +585,9 @@ fn lines_of(text: &str) -> Vec<String> {
 /// filter (RuntimeDefault: mode 2, one filter, as the init), with the init's capability sets,
 /// no_new_privs, user, groups, cgroup and rlimits: for a root container with default
 /// capabilities (no no_new_privs: the filter is loaded before the capabilities are dropped, as
-/// runc does) and for one as user 1000:3000 with supplementary groups, no_new_privs and a dropped
-/// capability.
+/// runc does), for one as user 1000 (no no_new_privs either: the user switch keeps the
+/// capabilities the filter needs) and for one as user 1000:3000 with supplementary groups,
+/// no_new_privs and a dropped capability.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn execs_inherit_seccomp_capabilities_user_and_cgroup_of_their_container() {
     use microvm_tests::cri::v1::security_profile::ProfileType;
@@ -607,6 +608,14 @@ async fn execs_inherit_seccomp_capabilities_user_and_cgroup_of_their_container()
             "root-default",
             LinuxContainerSecurityContext {
                 seccomp: runtime_default(),
+                ..Default::default()
+            },
+        ),
+        (
+            "user-default",
+            LinuxContainerSecurityContext {
+                seccomp: runtime_default(),
+                run_as_user: Some(Int64Value { value: 1000 }),
                 ..Default::default()
             },
         ),
