@@ -93,6 +93,8 @@ pub enum ContainerError {
     NoTerminal,
     #[error("container rootfs {path}: {reason}")]
     Rootfs { path: PathBuf, reason: String },
+    #[error("creating the working directory {path} (process.cwd) in the rootfs: {reason}")]
+    Cwd { path: PathBuf, reason: String },
 }
 
 /// The spec's root must be an existing directory in the guest (the shim's share of it): say which
@@ -114,6 +116,43 @@ fn check_rootfs(spec: &Spec) -> Result<(), ContainerError> {
             reason: format!("{err} (is the pod's shared filesystem mounted?)"),
         }),
     }
+}
+
+/// runc creates a missing `process.cwd` (MkdirAll, 0755, as root, inside the container's root
+/// after its mounts); libcontainer 0.7 fails the container. The agent creates it in the rootfs
+/// before the build, resolving the path inside the rootfs (libpathrs: no symlink or `..` leads
+/// out of it). A working directory under one of the spec's mount destinations is left alone:
+/// runc would create it in the mounted volume, which is not there yet.
+fn ensure_cwd(spec: &Spec) -> Result<(), ContainerError> {
+    let Some(cwd) = spec.process().as_ref().map(|p| p.cwd().clone()) else {
+        return Ok(());
+    };
+    if !cwd.is_absolute() || cwd == Path::new("/") {
+        return Ok(());
+    }
+    let under_a_mount = spec.mounts().iter().flatten().any(|m| {
+        let dest = m.destination();
+        dest != Path::new("/") && cwd.starts_with(dest)
+    });
+    if under_a_mount {
+        return Ok(());
+    }
+    let root = spec
+        .root()
+        .as_ref()
+        .ok_or_else(|| ContainerError::Spec("no root".into()))?
+        .path()
+        .clone();
+    let fail = |reason: String| ContainerError::Cwd {
+        path: cwd.clone(),
+        reason,
+    };
+    let root = pathrs::Root::open(&root).map_err(|e| fail(e.to_string()))?;
+    let relative = cwd.strip_prefix("/").unwrap_or(&cwd);
+    use std::os::unix::fs::PermissionsExt;
+    root.mkdir_all(relative, &std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| fail(e.to_string()))?;
+    Ok(())
 }
 
 impl ContainerError {
@@ -503,6 +542,7 @@ impl Containers {
         self.rewrite_spec(id, &mut spec)?;
         check_rootfs(&spec)?;
         log::debug!("container {id}: rootfs present");
+        ensure_cwd(&spec)?;
         let mut process = spec
             .process()
             .clone()
@@ -1044,6 +1084,37 @@ mod tests {
             .err()
             .expect("refused");
         assert!(err.to_string().contains("SCMP_ACT_NOTIFY"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_working_directory_is_made_inside_the_rootfs_only() {
+        let dir = std::env::temp_dir().join(format!("agent-cwd-{}", std::process::id()));
+        let root = dir.join("rootfs");
+        std::fs::create_dir_all(root.join("etc")).expect("rootfs");
+        // A symlink that would lead out of the rootfs stays inside it.
+        std::os::unix::fs::symlink("/", root.join("escape")).expect("symlink");
+        let spec = |cwd: &str, mounts: &str| -> Spec {
+            serde_json::from_str(&format!(
+                r#"{{"ociVersion":"1.0.2","root":{{"path":"{}"}},
+                    "process":{{"cwd":"{cwd}","args":["sh"],"user":{{"uid":0,"gid":0}}}},
+                    "mounts":[{mounts}]}}"#,
+                root.display()
+            ))
+            .expect("spec")
+        };
+        ensure_cwd(&spec("/work/dir", "")).expect("made");
+        assert!(root.join("work/dir").is_dir());
+        ensure_cwd(&spec("/escape/agent-cwd-outside", "")).expect("made inside");
+        assert!(root.join("agent-cwd-outside").is_dir());
+        assert!(!Path::new("/agent-cwd-outside").exists());
+        ensure_cwd(&spec(
+            "/data/x",
+            r#"{"destination":"/data","type":"bind","source":"/s"}"#,
+        ))
+        .expect("left to the volume");
+        assert!(!root.join("data").exists());
+        ensure_cwd(&spec("/", "")).expect("root");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

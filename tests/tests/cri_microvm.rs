@@ -875,3 +875,21 @@ async fn host_to_container_propagation_shows_later_host_mounts_inside() {
         .args(["-R", &vol_s])
         .status();
 }
+
+/// A working directory the image does not have is made, as runc makes it (inside the
+/// container's root, mode 0755), instead of failing the container.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_working_directory_is_created_as_runc_does() {
+    use microvm_tests::cri::container_config;
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
+    let pod = run_pod(&ctrd, &cri, "microvm-cwd").await;
+    let mut config = container_config("cwd", BUSYBOX_IMAGE, &["sh", "-c", "pwd; stat -c %a ."]);
+    config.working_dir = "/made/by/the/runtime".into();
+    let exited = run_container_to_exit(&ctrd, &cri, &pod, config, Duration::from_secs(60)).await;
+    assert_eq!(exited.status.exit_code, 0, "{:?}", exited.status);
+    assert_eq!(exited.stdout(), ["/made/by/the/runtime", "755"]);
+    cri.remove_container(&exited.id).await.unwrap();
+    remove_pod(&ctrd, &cri, &pod).await;
+}
