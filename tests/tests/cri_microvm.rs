@@ -893,3 +893,42 @@ async fn a_missing_working_directory_is_created_as_runc_does() {
     cri.remove_container(&exited.id).await.unwrap();
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// Kubernetes' TARGET PID namespace mode (`kubectl debug --target`): a container that targets
+/// another joins that container's PID namespace in the guest (it sees the target's `sleep` as
+/// PID 1), not a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_targeting_another_shares_its_pid_namespace() {
+    use microvm_tests::cri::container_config;
+    use microvm_tests::cri::v1::{
+        LinuxContainerConfig, LinuxContainerSecurityContext, NamespaceMode, NamespaceOption,
+    };
+    use microvm_tests::images::BUSYBOX_IMAGE;
+    let _serial = SERIAL.lock().await;
+    let (_dir, _config, ctrd, cri) = start_with_busybox().await;
+    let pod = run_pod(&ctrd, &cri, "microvm-target").await;
+    let pid_mode = |pid: NamespaceMode, target_id: &str| {
+        Some(LinuxContainerConfig {
+            security_context: Some(LinuxContainerSecurityContext {
+                namespace_options: Some(NamespaceOption {
+                    pid: pid as i32,
+                    target_id: target_id.to_string(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    };
+    let mut target = container_config("target", BUSYBOX_IMAGE, &["sleep", "3600"]);
+    target.linux = pid_mode(NamespaceMode::Container, "");
+    let target_id = cri.create_container(&pod, target).await.unwrap();
+    cri.start_container(&target_id).await.unwrap();
+    let mut debug = container_config("debug", BUSYBOX_IMAGE, &["cat", "/proc/1/comm"]);
+    debug.linux = pid_mode(NamespaceMode::Target, &target_id);
+    let exited = run_container_to_exit(&ctrd, &cri, &pod, debug, Duration::from_secs(60)).await;
+    assert_eq!(exited.status.exit_code, 0, "{:?}", exited.status);
+    assert_eq!(exited.stdout(), ["sleep"], "PID 1 of the debug container");
+    cri.remove_container(&exited.id).await.unwrap();
+    remove_pod(&ctrd, &cri, &pod).await;
+}

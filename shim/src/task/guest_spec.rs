@@ -143,6 +143,41 @@ pub fn rewrite_for_guest(
     Ok(binds)
 }
 
+/// Kubernetes' TARGET PID namespace mode (`kubectl debug --target`, ephemeral containers):
+/// containerd names the target container's `/proc/<its task pid>/ns/pid`, and the task pid it
+/// knows is the guest pid the agent reported. `targets` maps the pod's app containers' init pids
+/// to their ids: such a path becomes `container:<id>`, which the agent resolves to the target's
+/// namespace in the guest. Run before [`rewrite_for_guest`], which keeps `container:` paths.
+pub fn resolve_target_pid_namespace(
+    spec: &mut Value,
+    targets: &std::collections::HashMap<u32, String>,
+) {
+    let Some(nss) = spec
+        .pointer_mut("/linux/namespaces")
+        .and_then(Value::as_array_mut)
+    else {
+        return;
+    };
+    for ns in nss {
+        if ns.get("type").and_then(Value::as_str) != Some("pid") {
+            continue;
+        }
+        let target = ns
+            .get("path")
+            .and_then(Value::as_str)
+            .and_then(|p| {
+                p.strip_prefix("/proc/")?
+                    .strip_suffix("/ns/pid")?
+                    .parse::<u32>()
+                    .ok()
+            })
+            .and_then(|pid| targets.get(&pid));
+        if let Some(id) = target {
+            ns["path"] = Value::String(format!("container:{id}"));
+        }
+    }
+}
+
 /// The pod's sysctls: the sandbox spec's `linux.sysctl` (containerd puts Kubernetes'
 /// `securityContext.sysctls` there only), name -> value.
 pub fn pod_sysctls(
@@ -251,6 +286,26 @@ pub fn refuse_host_namespaces(sandbox_spec: &Value) -> Option<String> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_target_pid_namespace_becomes_the_target_container_in_the_guest() {
+        let targets: std::collections::HashMap<u32, String> = [(7, "c0".to_string())].into();
+        let mut spec = json!({"linux": {"namespaces": [
+            {"type": "pid", "path": "/proc/7/ns/pid"}, {"type": "ipc", "path": "/proc/7/ns/ipc"}
+        ]}});
+        resolve_target_pid_namespace(&mut spec, &targets);
+        rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        assert_eq!(
+            spec["linux"]["namespaces"],
+            json!([{"type": "pid", "path": "container:c0"}])
+        );
+        // An unknown pid is not a target: a new PID namespace, as before.
+        let mut spec =
+            json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/8/ns/pid"}]}});
+        resolve_target_pid_namespace(&mut spec, &targets);
+        rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        assert_eq!(spec["linux"]["namespaces"], json!([{"type": "pid"}]));
+    }
 
     #[test]
     fn pod_sysctls_come_from_the_sandbox_spec() {

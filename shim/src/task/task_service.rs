@@ -475,6 +475,13 @@ impl TaskService {
                         ),
                     )
                 })?;
+            let targets: HashMap<u32, String> = inner
+                .containers
+                .iter()
+                .filter(|(_, c)| c.app_exit.is_some() && c.pid != 0)
+                .map(|(id, c)| (c.pid, id.clone()))
+                .collect();
+            guest_spec::resolve_target_pid_namespace(&mut spec, &targets);
             (
                 pod.vm.agent(),
                 pod.vm.agent_socket().to_path_buf(),
