@@ -23,9 +23,9 @@ for arg in "$@"; do
   exe=${arg#*=}
   case "$name" in
     # #[ignore]d where make test cannot run them; here it can.
-    kvm_linux_guest) args=(--include-ignored --test-threads=1); env=() ;;
+    kvm_linux_guest) args=(--include-ignored --test-threads=1 --color=never); env=() ;;
     # The pod suites, on the embedded VMM instead of QEMU.
-    *) args=(--test-threads=1); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
+    *) args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
   esac
   echo "== $name on the embedded vmm"
   if ! env "${env[@]}" "$exe" "${args[@]}"; then

@@ -58,8 +58,24 @@ fi
 say "ready ($(uname -r), $(nproc) vCPU, $(awk '/MemTotal/ { printf "%d MiB", $2 / 1024 }' /proc/meminfo))"
 # PID 1 reaps every orphan (bash's SIGCHLD handling waits for any child) while the command runs.
 bash "$lane/command" < /dev/null &
-wait $!
+command_pid=$!
+# The host kills L1 at its timeout; shortly before that, say what every process waits on and what
+# the kernel said, then end the command, so a hang is diagnosed and still reported as a timeout.
+deadline=$(cat "$lane/deadline")
+(
+  sleep "$deadline"
+  say "the command is still running after ${deadline} s: processes and what they wait on:"
+  ps -eo pid,ppid,stat,wchan:32,etime,args --forest >&2
+  say "the end of the kernel log:"
+  dmesg | tail -n 60 >&2
+  echo timeout > "$lane/timed-out"
+  kill -KILL "$command_pid"
+) &
+watchdog=$!
+wait $command_pid
 status=$?
+kill "$watchdog" 2>/dev/null
+[ -f "$lane/timed-out" ] && status=124
 echo "$status" > "$lane/status"
 dmesg > "$lane/dmesg" 2>/dev/null
 [ -n "${dir:-}" ] && umount "$dir"
