@@ -24,7 +24,8 @@ case $check in
       exit 0
     fi
     echo "== pod benchmark on the embedded VMM, inside the nested lane (L1 under QEMU/TCG)"
-    BENCH_ONLY=pods scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-3600}" -- "$bin/microvm-bench"
+    BENCH_ONLY=pods BENCH_HYPERVISOR=kvm \
+      scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-3600}" -- "$bin/microvm-bench"
     ;;
   *) echo "bench: check-host failed (exit $check)" >&2; exit 1 ;;
 esac
