@@ -23,8 +23,9 @@ trap 'rm -f "$results" "$embedded"' EXIT
 status_all=0
 
 echo "== tests"
-# Integration tests boot VMs; two at a time is what two cores carry without timeouts.
-cargo test --release --workspace -- --test-threads=2 2>&1 | tee -a "$results" || status_all=1
+# Integration tests boot VMs; two at a time is what two cores carry without timeouts. Every test
+# binary runs even when one before it failed (--no-fail-fast): each one's result line counts.
+cargo test --release --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee -a "$results" || status_all=1
 
 echo "== linux guests on the embedded vmm"
 # The pod suites (containerd + CRI) and the plain boot tests, by cargo target name.

@@ -82,6 +82,7 @@ mod tests {
                 "/microvm.agent.v1.Agent/RemoveExec",
                 "/microvm.agent.v1.Agent/ResizePty",
                 "/microvm.agent.v1.Agent/ResumeContainer",
+                "/microvm.agent.v1.Agent/SetSysctls",
                 "/microvm.agent.v1.Agent/Shutdown",
                 "/microvm.agent.v1.Agent/SignalProcess",
                 "/microvm.agent.v1.Agent/StartContainer",
