@@ -17,18 +17,42 @@ if ! "$microvm" check-host --kernel "$kernel"; then
   exit 1
 fi
 
+# Runs a test binary bounded by `limit` seconds. At the limit it prints every process with what it
+# waits on (a hang is diagnosed, not only timed out), then kills the binary: its unfinished tests
+# then count as failed in run-tests.sh.
+run_bounded() {
+  local limit=$1; shift
+  "$@" &
+  local pid=$! waited=0
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ $waited -ge "$limit" ]; then
+      echo "embedded-vmm-tests: $1 still runs after ${limit} s: processes and what they wait on:" >&2
+      ps -eo pid,ppid,stat,wchan:32,etime,args --forest >&2
+      kill -KILL "$pid"
+      wait "$pid"
+      return 124
+    fi
+    sleep 1
+    waited=$(( waited + 1 ))
+  done
+  wait "$pid"
+}
+
 failed=0
 for arg in "$@"; do
   name=${arg%%=*}
   exe=${arg#*=}
+  # Bounds: about three times what each binary takes in the lane (2, 4 and 2.5 minutes), so
+  # that a hang costs minutes of CI, not its whole budget.
   case "$name" in
     # #[ignore]d where make test cannot run them; here it can.
-    kvm_linux_guest) args=(--include-ignored --test-threads=1 --color=never); env=() ;;
+    kvm_linux_guest) limit=360; args=(--include-ignored --test-threads=1 --color=never); env=() ;;
     # The pod suites, on the embedded VMM instead of QEMU.
-    *) args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
+    cri_microvm) limit=900; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
+    *) limit=600; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
   esac
   echo "== $name on the embedded vmm"
-  if ! env "${env[@]}" "$exe" "${args[@]}"; then
+  if ! run_bounded "$limit" env "${env[@]}" "$exe" "${args[@]}"; then
     failed=1
   fi
 done
