@@ -24,6 +24,16 @@ fail() {
   power_off
 }
 
+# /tmp and /run get fresh tmpfs below (containerd's overlayfs snapshotter cannot sit on an
+# overlay). The host's view of them stays reachable under /mnt/microvm-host, so that a caller
+# whose working directory is there (a clone in /tmp, as CI may make) still finds it; the module
+# tree is bound before anything is covered for the same reason.
+mkdir -p /mnt/microvm-host/tmp /mnt/microvm-host/run
+mount --bind /tmp /mnt/microvm-host/tmp || fail "bind the host's /tmp aside"
+mount --bind /run /mnt/microvm-host/run || fail "bind the host's /run aside"
+kver=$(uname -r)
+mkdir -p "/lib/modules/$kver"
+mount --bind "$MICROVM_LANE_IMAGE/modules/$kver" "/lib/modules/$kver" || fail "bind the modules of $kver"
 mount -t tmpfs -o mode=1777 tmpfs /tmp || fail "mount /tmp"
 mount -t tmpfs -o mode=0755 tmpfs /run || fail "mount /run"
 mkdir -p /dev/pts /dev/shm "$lane"
@@ -33,9 +43,6 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 lane "$lane" || fail "
 # Output lines end in \n, not \r\n, so the host reads them like a pipe.
 stty -F /dev/console -onlcr 2>/dev/null
 
-kver=$(uname -r)
-mkdir -p "/lib/modules/$kver"
-mount --bind "$MICROVM_LANE_IMAGE/modules/$kver" "/lib/modules/$kver" || fail "bind the modules of $kver"
 # kvm_amd with nested=1: SVM emulated by QEMU (TCG) with nested paging; our VMM runs on it.
 # overlay: containerd's overlayfs snapshotter. bridge, veth: the CNI bridge plugin. tun: tap
 # devices. Anything else is loaded on demand (the kernel calls /sbin/modprobe on this root).
@@ -48,6 +55,14 @@ done
 mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup || fail "mount cgroup2"
 ip link set lo up || fail "bring up lo"
 hostname microvm-l1
+
+cwd=$(cat "$lane/cwd")
+case "$cwd" in
+  /tmp/*|/run/*)
+    mkdir -p "$cwd"
+    mount --bind "/mnt/microvm-host$cwd" "$cwd" || fail "bind the working directory $cwd"
+    ;;
+esac
 
 if [ -s "$lane/writable" ]; then
   dir=$(cat "$lane/writable")

@@ -60,6 +60,7 @@ trap 'exit 130' INT TERM
   echo
 } > "$lane/command"
 [ -n "$writable" ] && echo "$writable" > "$lane/writable"
+echo "$PWD" > "$lane/cwd"
 # L1's own watchdog fires first (boot takes ~10-40 s), dumping what hangs before QEMU is killed.
 echo $(( timeout > 180 ? timeout - 90 : timeout * 2 / 3 )) > "$lane/deadline"
 
