@@ -57,7 +57,7 @@ if [ $check -eq 0 ]; then
 elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
   mapfile -t exes < <(executables)
-  scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-2100}" -- \
+  scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-2400}" -- \
     scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded" || status_all=1
   ran_embedded=1
 elif [ $check -eq 2 ]; then

@@ -42,18 +42,26 @@ failed=0
 for arg in "$@"; do
   name=${arg%%=*}
   exe=${arg#*=}
-  # Bounds: about three times what each binary takes in the lane (2, 4 and 2.5 minutes), so
-  # that a hang costs minutes of CI, not its whole budget.
+  # Bounds: about twice what each binary takes in the lane (10 s, 4-6 min, 2.5-3 min), so that
+  # a hang costs minutes of CI, not its whole budget.
   case "$name" in
     # #[ignore]d where make test cannot run them; here it can.
-    kvm_linux_guest) limit=360; args=(--include-ignored --test-threads=1 --color=never); env=() ;;
+    kvm_linux_guest) limit=180; args=(--include-ignored --test-threads=1 --color=never); env=() ;;
     # The pod suites, on the embedded VMM instead of QEMU.
-    cri_microvm) limit=900; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
-    *) limit=600; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
+    cri_microvm) limit=660; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
+    *) limit=420; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
   esac
   echo "== $name on the embedded vmm"
-  if ! run_bounded "$limit" env "${env[@]}" "$exe" "${args[@]}"; then
-    failed=1
+  run_bounded "$limit" env "${env[@]}" "$exe" "${args[@]}"
+  status=$?
+  if [ $status -eq 124 ]; then
+    # A rare hang of the embedded VMM path is known and not yet understood (docs/nested-lane.md):
+    # the dump above says where it waited. The binary runs once more, said loudly here; only the
+    # second run's results count, and a second hang fails its tests.
+    echo "RETRY: $name hung (bound of ${limit} s, process dump above); running it once more"
+    run_bounded "$limit" env "${env[@]}" "$exe" "${args[@]}"
+    status=$?
   fi
+  [ $status -eq 0 ] || failed=1
 done
 exit $failed
