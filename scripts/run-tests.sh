@@ -65,7 +65,9 @@ elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   lane_status=$?   # run-in-l1's status: with pipefail, tee's 0 does not hide it
   if [ "$lane_status" -eq 124 ] || [ "$lane_status" -eq 125 ]; then
     # L1 itself froze or died (timers stop: even its own watchdogs never fired). Seen rarely
-    # with TCG's SVM emulation (design.md 3b); said here, and only the second run counts.
+    # with TCG's SVM emulation (design.md 3b). run-in-l1's freeze watch ends a frozen L1 after
+    # about two minutes (with its vCPU state printed) unless an NMI revives it. Said here, and
+    # only the second run counts.
     echo "RETRY: the nested lane's L1 ended without finishing (exit $lane_status); running the lane once more in a fresh L1"
     run_lane
     lane_status=$?
