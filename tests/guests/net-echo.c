@@ -10,7 +10,9 @@
  * Payload byte 0 (after the Ethernet header) says what to do: 1 echo, 2 echo and stop. Frames
  * of other ethertypes or for other MACs (IPv6 neighbour discovery of the host, ...) are counted
  * and ignored. It stops after the stop frame, or once net_echo.max_frames= frames were echoed,
- * and fails if nothing happens for net_echo.idle_ms= (default 60000). The result line:
+ * and fails if nothing happens for net_echo.idle_ms= (default 60000). With
+ * net_echo.post_delay_ms=N it sets DRIVER_OK and says ready with no receive buffer posted, and
+ * posts them only N ms later (the device must wait for them, not spin). The result line:
  * `RESULT: PASS frames=N bytes=B ignored=I end=stop|bound`. Polling only: interrupts stay off.
  */
 #include "common.h"
@@ -112,6 +114,7 @@ void guest_main(void)
 {
 	u64 max_frames = cmdline_u64("net_echo.max_frames=", 1000000);
 	u32 idle_ms = (u32)cmdline_u64("net_echo.idle_ms=", 60000);
+	u32 post_delay_ms = (u32)cmdline_u64("net_echo.post_delay_ms=", 0);
 	u64 features = 0;
 	u32 mtu = 1500;
 
@@ -151,8 +154,9 @@ void guest_main(void)
 		result_fail(err.buf);
 	if (rxq.size != NET_BUFS || txq.size != NET_BUFS)
 		result_fail("the device's queues are smaller than our 16 buffers");
-	for (u16 i = 0; i < NET_BUFS; i++)
-		post_rx(i);
+	if (!post_delay_ms)
+		for (u16 i = 0; i < NET_BUFS; i++)
+			post_rx(i);
 	if (virtio_mmio_driver_ok(&dev, &err) != 0)
 		result_fail(err.buf);
 	virtq_notify(&rxq);
@@ -172,6 +176,13 @@ void guest_main(void)
 	sb_dec(&msg, BUF_SIZE);
 	say(msg.buf);
 	say("ready");
+	if (post_delay_ms) {
+		delay_ms(post_delay_ms);
+		for (u16 i = 0; i < NET_BUFS; i++)
+			post_rx(i);
+		virtq_notify(&rxq);
+		say("receive buffers posted");
+	}
 
 	u64 frames = 0, bytes = 0, ignored = 0;
 	u32 in_tx = 0;

@@ -266,7 +266,11 @@ fn echo_of(f: &[u8]) -> Vec<u8> {
     e
 }
 
-/// Everything one test VM needs; dropped in reverse order (VM, socket, namespace).
+/// One VM at a time in this test binary, so that the device thread whose CPU time a test
+/// measures is its own.
+static ONE_VM: Mutex<()> = Mutex::new(());
+
+/// Everything one test VM needs; dropped in declaration order (VM, socket, namespace, lock).
 struct Rig {
     handle: Option<VmHandle>,
     sock: PacketSocket,
@@ -276,11 +280,13 @@ struct Rig {
     /// Frames echoed and their bytes, to compare with the guest's count.
     frames: u64,
     bytes: u64,
+    _one_vm: std::sync::MutexGuard<'static, ()>,
 }
 
 impl Rig {
-    fn start(tag: &str, mtu: u16) -> Self {
+    fn start(tag: &str, mtu: u16, cmdline: &str) -> Self {
         require_root();
+        let one_vm = ONE_VM.lock().unwrap_or_else(|e| e.into_inner());
         let ns = NetNs::new(tag);
         let tap = ns
             .run_in(|| vmm::open_tap(TAP))
@@ -300,6 +306,7 @@ impl Rig {
         let console = Console::default();
         let mut cfg = VmConfig::new(guest_elf());
         cfg.memory_mib = 64;
+        cfg.cmdline = cmdline.to_owned();
         cfg.serial = SerialSink::Writer(Box::new(console.clone()));
         cfg.nets.push(NetConfig {
             tap,
@@ -315,6 +322,7 @@ impl Rig {
             buf: vec![0u8; 70_000],
             frames: 0,
             bytes: 0,
+            _one_vm: one_vm,
         };
         rig.wait_ready(mtu);
         rig
@@ -491,7 +499,7 @@ fn measure_throughput(rig: &mut Rig, mtu: u16, window: usize, secs: f64, seq: &m
 
 #[test]
 fn echoes_every_size_a_burst_and_a_stream_at_mtu_1500() {
-    let mut rig = Rig::start("1500", 1500);
+    let mut rig = Rig::start("1500", 1500, "");
     let mut seq = 0;
     echo_each_size(&mut rig, 1500, &mut seq);
     echo_burst(&mut rig, 1500, 4 * GUEST_RX_BUFS, &mut seq);
@@ -503,13 +511,71 @@ fn echoes_every_size_a_burst_and_a_stream_at_mtu_1500() {
 
 #[test]
 fn echoes_jumbo_frames_at_mtu_9000() {
-    let mut rig = Rig::start("9000", 9000);
+    let mut rig = Rig::start("9000", 9000, "");
     let mut seq = 0;
     echo_each_size(&mut rig, 9000, &mut seq);
     echo_burst(&mut rig, 9000, 3 * GUEST_RX_BUFS, &mut seq);
     measure_throughput(&mut rig, 9000, GUEST_RX_BUFS - 2, 1.0, &mut seq);
     let line = rig.stop();
     println!("{line}");
+    rig.check_nothing_left();
+}
+
+/// CPU time (user + system, in clock ticks) of this process's device event-loop threads.
+fn device_thread_ticks() -> u64 {
+    let mut ticks = 0;
+    for task in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
+        let dir = task.expect("task entry").path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim() != "vmm-devices" {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+        // Fields after the ")" that ends the command name: state is field 3, utime 14, stime 15.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        ticks += num(11) + num(12);
+    }
+    ticks
+}
+
+#[test]
+fn frames_wait_without_spinning_while_the_guest_has_no_rx_buffers() {
+    // The guest posts its receive buffers 4 s after saying ready.
+    let mut rig = Rig::start("nobufs", 1500, "net_echo.post_delay_ms=4000");
+    let mut seq = 0;
+    let frames: Vec<_> = (0..100)
+        .map(|i| {
+            seq += 1;
+            frame(60 + (i * 131) % 1455, KIND_ECHO, seq)
+        })
+        .collect();
+    for f in &frames {
+        rig.sock.send(f).expect("send a frame");
+    }
+    // Meanwhile the device has nowhere to put them: it must sleep, not poll the tap.
+    let before = device_thread_ticks();
+    std::thread::sleep(Duration::from_millis(1500));
+    let spent = device_thread_ticks() - before;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    assert!(
+        !rig.console.text().contains("receive buffers posted"),
+        "the guest posted its buffers too early to tell; console:\n{}",
+        rig.console.text()
+    );
+    // Idle it uses nothing; polling the tap showed 37 ticks of 150 here (two busy cores).
+    assert!(
+        spent < hz * 15 / 100,
+        "the device thread used {spent} ticks ({hz}/s) in 1.5 s while waiting for buffers"
+    );
+    println!("device thread while waiting for rx buffers: {spent} ticks in 1.5 s ({hz}/s)");
+    // Then every frame arrives, in order (the tap holds up to 500).
+    for f in &frames {
+        rig.expect_echo(f);
+    }
+    rig.stop();
     rig.check_nothing_left();
 }
 
