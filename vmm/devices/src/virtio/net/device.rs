@@ -82,6 +82,15 @@ pub enum ChainError {
     /// A descriptor points outside guest memory.
     #[error("descriptor {index} ({len} bytes at {addr:#x}) is outside guest memory")]
     OutOfRange { index: usize, addr: u64, len: u32 },
+    /// Copying to or from a descriptor's guest memory failed.
+    #[error("descriptor {index} ({len} bytes at {addr:#x}): {source}")]
+    Memory {
+        index: usize,
+        addr: u64,
+        len: u32,
+        #[source]
+        source: vm_memory::GuestMemoryError,
+    },
     /// The chain holds fewer bytes than a vnet and an Ethernet header.
     #[error("the chain holds {0} bytes, less than the {MIN_CHAIN_LEN} of the headers")]
     TooShort(usize),
@@ -509,10 +518,11 @@ pub fn read_frame(
             .ok_or(ChainError::TooLong)?;
         let dst = buf.get_mut(len..end).ok_or(ChainError::TooLong)?;
         mem.read_slice(dst, desc.addr())
-            .map_err(|_| ChainError::OutOfRange {
+            .map_err(|source| ChainError::Memory {
                 index,
                 addr: desc.addr().0,
                 len: desc.len(),
+                source,
             })?;
         len = end;
     }
@@ -579,10 +589,11 @@ fn write_frame(
         }
         let n = len.min(rest.len());
         mem.write_slice(&rest[..n], addr)
-            .map_err(|_| ChainError::OutOfRange {
+            .map_err(|source| ChainError::Memory {
                 index,
                 addr: addr.0,
                 len: u32::try_from(len).unwrap_or(u32::MAX),
+                source,
             })?;
         off += n;
     }

@@ -738,3 +738,87 @@ fn random_descriptor_tables_never_panic_and_stay_bounded() {
     let s = dev.stats();
     assert!(s.tx_bad_chains > 0 && s.rx_bad_chains > 0, "{s:?}");
 }
+
+#[test]
+fn each_hostile_chain_fails_for_its_own_reason() {
+    use super::device::{read_frame, writable_descriptors, ChainError};
+    let (mut g, _dev) = setup();
+    // A queue of our own, popped by hand.
+    let mut q = queue(&g.mem, Q_BASE[TX_QUEUE]);
+    let base = TX_BUF_BASE;
+    let mem_end = MEM_SIZE as u64;
+    type Check = fn(&ChainError) -> bool;
+    type Case = (Vec<(u64, u32, u16, u16)>, Check);
+    let cases: Vec<Case> = vec![
+        (vec![(base, 25, 0, 0)], |e| {
+            matches!(e, ChainError::TooShort(25))
+        }),
+        (vec![(base, 12, F_NEXT, 1), (base, 88, F_WRITE, 0)], |e| {
+            matches!(e, ChainError::WritableInTx(1))
+        }),
+        (vec![(1 << 40, 100, 0, 0)], |e| {
+            matches!(e, ChainError::Memory { index: 0, .. })
+        }),
+        (vec![(mem_end - 50, 100, 0, 0)], |e| {
+            matches!(e, ChainError::Memory { index: 0, .. })
+        }),
+        (vec![(base, 100, F_NEXT, 0)], |e| {
+            matches!(e, ChainError::Unterminated)
+        }),
+        (vec![(base, 100, F_NEXT, 300)], |e| {
+            matches!(e, ChainError::Unterminated)
+        }),
+        (vec![(base, 40_000, F_NEXT, 1), (base, 40_000, 0, 0)], |e| {
+            matches!(e, ChainError::TooLong)
+        }),
+    ];
+    let mut buf = vec![0u8; MAX_BUFFER_SIZE];
+    for (descs, check) in &cases {
+        // Every chain at descriptor 0; a self-reference is a loop.
+        post_raw(&mut g, TX_QUEUE, 0, descs);
+        let chain = q.pop_descriptor_chain(&g.mem).expect("a chain");
+        let e = read_frame(&g.mem, chain, &mut buf).expect_err("refused");
+        assert!(check(&e), "{descs:?}: {e}");
+    }
+
+    let rx_cases: Vec<Case> = vec![
+        (vec![(base, 2048, 0, 0)], |e| {
+            matches!(e, ChainError::ReadableInRx(0))
+        }),
+        (vec![(base, 20, F_WRITE, 0)], |e| {
+            matches!(e, ChainError::TooShort(20))
+        }),
+        (vec![(mem_end - 100, 2048, F_WRITE, 0)], |e| {
+            matches!(e, ChainError::OutOfRange { index: 0, .. })
+        }),
+        (vec![(base, 2048, F_WRITE | F_NEXT, 0)], |e| {
+            matches!(e, ChainError::Unterminated)
+        }),
+    ];
+    let mut descs_out = Vec::new();
+    for (descs, check) in &rx_cases {
+        post_raw(&mut g, TX_QUEUE, 0, descs);
+        let chain = q.pop_descriptor_chain(&g.mem).expect("a chain");
+        let e = writable_descriptors(&g.mem, chain, &mut descs_out).expect_err("refused");
+        assert!(check(&e), "{descs:?}: {e}");
+    }
+    // A good receive chain lists its pieces and their capacity.
+    post_raw(
+        &mut g,
+        TX_QUEUE,
+        0,
+        &[
+            (base, 12, F_WRITE | F_NEXT, 1),
+            (base + 100, 1514, F_WRITE, 0),
+        ],
+    );
+    let chain = q.pop_descriptor_chain(&g.mem).expect("a chain");
+    assert_eq!(
+        writable_descriptors(&g.mem, chain, &mut descs_out).unwrap(),
+        1526
+    );
+    assert_eq!(
+        descs_out,
+        vec![(GuestAddress(base), 12), (GuestAddress(base + 100), 1514)]
+    );
+}
