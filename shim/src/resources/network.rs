@@ -162,7 +162,9 @@ pub struct GuestInterface {
 
 /// An open tap device in the pod netns: `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`. The device lives as
 /// long as an fd on it is open (it is not persistent). The VM backend sets the vnet header size
-/// and offloads itself (QEMU: `-netdev tap,fd=`).
+/// and offloads itself (QEMU: `-netdev tap,fd=`). The fd is close-on-exec: a backend that hands it
+/// to a child (QEMU) clears that flag on the child's copy only. Dropping every copy removes the
+/// tap (the redirect filter on the CNI interface then drops the pod's traffic until teardown).
 #[derive(Debug)]
 pub struct TapFd {
     pub name: String,
