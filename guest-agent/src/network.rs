@@ -7,7 +7,8 @@
 //! families). Netlink is spoken synchronously with netlink-packet-route and netlink-sys (the
 //! versions libcontainer links already; no async runtime in the agent, whose size matters).
 //!
-//! Order: lo up; per interface rename (while down), MTU, addresses (IPv6 without duplicate
+//! Order: lo up; every NIC found; per interface rename (while down; through a temporary name
+//! when two NICs' names are swapped), MTU, addresses (IPv6 without duplicate
 //! address detection: the pod's interface on the host holds them already), up; then every
 //! route without a gateway, then those through one (a gateway must be reachable first).
 //! Applying twice is harmless: an address already there is fine, routes are replaced.
@@ -292,7 +293,8 @@ pub fn configure(req: &ConfigureNetworkRequest) -> Result<(), NetworkError> {
     nl.set_link(lo.index, None, None, Some(true))
         .map_err(NetworkError::Loopback)?;
 
-    let mut indexes = Vec::with_capacity(interfaces.len());
+    // Find every NIC first, so a missing one fails before anything is renamed.
+    let mut found = Vec::with_capacity(interfaces.len());
     for iface in &interfaces {
         let link = links
             .iter()
@@ -301,26 +303,53 @@ pub fn configure(req: &ConfigureNetworkRequest) -> Result<(), NetworkError> {
                 name: iface.name.clone(),
                 mac: iface.mac,
             })?;
-        let link_err = |action: String| {
-            let name = iface.name.clone();
-            move |source| NetworkError::Link {
-                name,
-                action,
-                source,
-            }
-        };
-        if link.name != iface.name {
-            // A link is renamed only while it is down.
-            nl.set_link(link.index, None, None, Some(false))
-                .map_err(link_err(format!("taking {} down", link.name)))?;
+        found.push(link);
+    }
+    let link_err = |iface: &Interface, action: String| {
+        let name = iface.name.clone();
+        move |source| NetworkError::Link {
+            name,
+            action,
+            source,
+        }
+    };
+    // Renames go through a temporary name when the wanted one is another of these NICs' current
+    // name (two NICs whose names are swapped); a link is renamed only while it is down.
+    let renamed: Vec<bool> = interfaces
+        .iter()
+        .zip(&found)
+        .map(|(iface, link)| link.name != iface.name)
+        .collect();
+    let clash = interfaces
+        .iter()
+        .zip(&renamed)
+        .any(|(iface, r)| *r && found.iter().any(|l| l.name == iface.name));
+    for (i, (iface, link)) in interfaces.iter().zip(&found).enumerate() {
+        if !renamed[i] {
+            continue;
+        }
+        nl.set_link(link.index, None, None, Some(false))
+            .map_err(link_err(iface, format!("taking {} down", link.name)))?;
+        if clash {
+            let temporary = format!("mvnic{i}");
+            nl.set_link(link.index, Some(&temporary), None, None)
+                .map_err(link_err(
+                    iface,
+                    format!("renaming {} (MAC {}) to {temporary}", link.name, iface.mac),
+                ))?;
+        }
+    }
+    let mut indexes = Vec::with_capacity(interfaces.len());
+    for (i, (iface, link)) in interfaces.iter().zip(&found).enumerate() {
+        if renamed[i] {
             nl.set_link(link.index, Some(&iface.name), None, None)
-                .map_err(link_err(format!(
-                    "renaming {} (MAC {})",
-                    link.name, iface.mac
-                )))?;
+                .map_err(link_err(
+                    iface,
+                    format!("renaming {} (MAC {})", link.name, iface.mac),
+                ))?;
         }
         nl.set_link(link.index, None, Some(iface.mtu), None)
-            .map_err(link_err(format!("setting MTU {}", iface.mtu)))?;
+            .map_err(link_err(iface, format!("setting MTU {}", iface.mtu)))?;
         for addr in &iface.addresses {
             nl.add_address(link.index, addr)
                 .map_err(|source| NetworkError::Address {
@@ -330,7 +359,7 @@ pub fn configure(req: &ConfigureNetworkRequest) -> Result<(), NetworkError> {
                 })?;
         }
         nl.set_link(link.index, None, None, Some(true))
-            .map_err(link_err("bringing it up".to_owned()))?;
+            .map_err(link_err(iface, "bringing it up".to_owned()))?;
         log::info!(
             "network: {} (MAC {}, MTU {}) {}",
             iface.name,

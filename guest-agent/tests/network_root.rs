@@ -50,7 +50,9 @@ impl Guest {
             eprintln!("skipped: network namespaces need root");
             return None;
         }
-        let ns = format!("mvagent-net-{}", std::process::id());
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ns = format!("mvagent-net-{}-{n}", std::process::id());
         let dir = std::env::temp_dir().join(&ns);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
@@ -356,4 +358,33 @@ impl Guest {
             .find(|a| a["family"] == "inet")
             .and_then(|a| a["broadcast"].as_str().map(str::to_owned))
     }
+}
+
+#[test]
+fn two_nics_whose_names_are_swapped_are_renamed_through_a_temporary_name() {
+    let Some(guest) = Guest::start() else { return };
+    let iface = |name: &str, mac_str: &str, addr: &str| NetworkInterface {
+        name: name.into(),
+        mac: mac(mac_str),
+        mtu: 1500,
+        addresses: vec![net(addr)],
+        ..Default::default()
+    };
+    guest
+        .client
+        .configure_network(
+            ctx(),
+            &request(vec![
+                iface("other0", NIC_MAC, "10.1.0.2/24"),
+                iface("nic0", OTHER_MAC, "10.2.0.2/24"),
+            ]),
+        )
+        .expect("configure network");
+    let other0 = guest.link("other0").expect("other0");
+    assert_eq!(other0["address"], NIC_MAC);
+    assert_eq!(other0["addr_info"][0]["local"], "10.1.0.2");
+    let nic0 = guest.link("nic0").expect("nic0");
+    assert_eq!(nic0["address"], OTHER_MAC);
+    assert_eq!(nic0["addr_info"][0]["local"], "10.2.0.2");
+    assert!(guest.link("mvnic0").is_none() && guest.link("mvnic1").is_none());
 }
