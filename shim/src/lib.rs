@@ -11,5 +11,6 @@ pub mod config;
 pub mod guest_vm;
 pub mod host_check;
 pub mod qemu;
+pub mod resources;
 pub mod task;
 pub mod test_guest_peer;
