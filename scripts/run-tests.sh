@@ -29,7 +29,7 @@ cargo test --release --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee -
 
 echo "== linux guests on the embedded vmm"
 # The pod suites (containerd + CRI) and the plain boot tests, by cargo target name.
-embedded_targets=(kvm_linux_guest cri_microvm cri_microvm_exec)
+embedded_targets=(kvm_linux_guest cri_microvm cri_microvm_exec cri_microvm_net)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_embedded=$n_linux
 for t in "${embedded_targets[@]:1}"; do
@@ -58,7 +58,7 @@ elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
   mapfile -t exes < <(executables)
   run_lane() {
-    scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-1200}" -- \
+    scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-2700}" -- \
       scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded"
   }
   run_lane

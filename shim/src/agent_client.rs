@@ -528,6 +528,21 @@ impl AgentClient {
             })
     }
 
+    /// Gives the guest its network: lo up, and each NIC (found by MAC) the CNI interface's
+    /// name, MTU, addresses and routes.
+    pub fn configure_network(
+        &self,
+        req: &agent_protocol::agent::ConfigureNetworkRequest,
+    ) -> Result<(), AgentError> {
+        self.rpc
+            .configure_network(self.context(), req)
+            .map(|_| ())
+            .map_err(|source| AgentError::Rpc {
+                method: "ConfigureNetwork",
+                source,
+            })
+    }
+
     pub fn remove_exec(&self, container_id: &str, exec_id: &str) -> Result<(), AgentError> {
         let req = agent_protocol::agent::RemoveExecRequest {
             container_id: container_id.to_owned(),

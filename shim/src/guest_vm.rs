@@ -3,6 +3,8 @@
 //! embedded VMM (the product's default) and QEMU (for hosts whose KVM cannot boot a Linux guest).
 
 use std::fmt;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -49,6 +51,17 @@ pub struct GuestSpec {
     /// The guest's hostname (the pod's, from the sandbox spec), passed as `microvm.hostname=`;
     /// containers share the VM's UTS namespace. A name that is not a valid hostname is dropped.
     pub hostname: Option<String>,
+    /// Network cards (virtio-net on taps in the pod netns), eth0 first.
+    pub nics: Vec<GuestNic>,
+}
+
+/// A network card of the guest: a tap opened in the pod netns (`IFF_TAP | IFF_NO_PI |
+/// IFF_VNET_HDR`) and the MAC and MTU the guest NIC gets (the CNI interface's).
+#[derive(Debug, Clone)]
+pub struct GuestNic {
+    pub tap: Arc<OwnedFd>,
+    pub mac: [u8; 6],
+    pub mtu: u16,
 }
 
 impl GuestSpec {
@@ -96,6 +109,9 @@ pub enum GuestVmError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A NIC's tap fd could not be duplicated for the VMM.
+    #[error("cannot duplicate a network card's tap fd: {0}")]
+    Tap(std::io::Error),
     /// The memory size does not fit the backend.
     #[error("memory of {0} MiB is out of range for this backend")]
     Memory(u64),
@@ -206,6 +222,18 @@ impl GuestVm {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
         });
+        for nic in &spec.nics {
+            let tap = nic
+                .tap
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(GuestVmError::Tap)?;
+            cfg.nets.push(vmm::NetConfig {
+                tap,
+                mac: nic.mac,
+                mtu: Some(nic.mtu),
+            });
+        }
         let handle = vmm::Vm::start(cfg)?;
         let detail = format!("embedded vmm on /dev/kvm, {} entry", handle.boot_entry());
         Ok((Running::Kvm(handle), uds, detail))
@@ -234,6 +262,15 @@ impl GuestVm {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
         });
+        cfg.nics = spec
+            .nics
+            .iter()
+            .map(|n| qemu::QemuNic {
+                tap: n.tap.clone(),
+                mac: n.mac,
+                mtu: n.mtu,
+            })
+            .collect();
         let accel = match cfg.accel.resolve() {
             Accel::Kvm => "KVM",
             _ => "TCG (software emulation)",
@@ -370,6 +407,7 @@ mod tests {
             work_dir: PathBuf::from("/w"),
             agent_log_level: level.map(str::to_owned),
             hostname: hostname.map(str::to_owned),
+            nics: Vec::new(),
         }
     }
 

@@ -16,10 +16,11 @@
 
 use std::fs::{self, File};
 use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -119,7 +120,28 @@ pub struct QemuConfig {
     pub shared_fs: Option<QemuSharedFs>,
     /// The virtiofsd binary (default: Debian QEMU's `/usr/lib/qemu/virtiofsd`).
     pub virtiofsd_binary: PathBuf,
+    /// Network cards, in order (eth0 first).
+    pub nics: Vec<QemuNic>,
 }
+
+/// A network card: a virtio-net device on a tap the caller opened in the pod netns.
+#[derive(Debug, Clone)]
+pub struct QemuNic {
+    /// The tap (opened with `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`); QEMU gets a copy as fd
+    /// [`NIC_FD_BASE`] + its index (`-netdev tap,fd=`).
+    pub tap: Arc<OwnedFd>,
+    /// The guest NIC's MAC.
+    pub mac: [u8; 6],
+    /// The guest NIC's MTU (virtio-net's `host_mtu`).
+    pub mtu: u16,
+}
+
+/// The fd number QEMU finds its first NIC's tap at (then one more per NIC): above the few fds
+/// QEMU has open when it parses `-netdev`.
+pub const NIC_FD_BASE: RawFd = 100;
+
+/// At most this many NICs.
+pub const MAX_NICS: usize = 8;
 
 /// A directory the guest mounts with `mount -t virtiofs <tag> <dir>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,11 +177,18 @@ impl QemuConfig {
             console_log: None,
             start_timeout: Duration::from_secs(60),
             shared_fs: None,
+            nics: Vec::new(),
             virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
         }
     }
 
     fn validate(&self) -> Result<(), QemuError> {
+        if self.nics.len() > MAX_NICS {
+            return Err(QemuError::InvalidConfig(format!(
+                "{} network cards, at most {MAX_NICS}",
+                self.nics.len()
+            )));
+        }
         if !(1..=255).contains(&self.vcpus) {
             return Err(QemuError::InvalidConfig(format!(
                 "vcpus must be 1..=255, got {}",
@@ -525,6 +554,7 @@ impl QemuVm {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        pass_nic_fds(&mut cmd, &cfg.nics);
         self.qemu = Some(spawn_tied_to_parent(&mut cmd, &cfg.qemu_binary)?);
         Ok(())
     }
@@ -808,10 +838,28 @@ fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec<String> {
         let device = format!("vhost-user-fs-device,chardev=fs0,tag={}", shared.tag);
         push(&["-chardev", &chardev, "-device", &device]);
     }
+    for (i, nic) in cfg.nics.iter().enumerate() {
+        // vhost=off: the kernel's vhost-net would be one more host surface for the guest.
+        let netdev = format!("tap,id=net{i},fd={},vhost=off", NIC_FD_BASE + i as RawFd);
+        let device = format!(
+            "virtio-net-device,netdev=net{i},mac={},host_mtu={}",
+            mac_string(&nic.mac),
+            nic.mtu
+        );
+        push(&["-netdev", &netdev, "-device", &device]);
+    }
     push(&[
         "-serial", &serial, "-kernel", &kernel, "-initrd", &initrd, "-append", cmdline,
     ]);
     args
+}
+
+/// `aa:bb:cc:dd:ee:ff`.
+fn mac_string(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// QEMU option values escape a comma by doubling it.
@@ -877,6 +925,38 @@ fn create_file(path: &Path) -> Result<File, QemuError> {
 }
 
 /// Spawns `cmd` so that the kernel sends it SIGKILL when the spawning thread exits.
+/// Gives the child the NICs' taps as fds [`NIC_FD_BASE`].. (dup2 clears close-on-exec on the
+/// copy only; the shim's own fds stay close-on-exec).
+fn pass_nic_fds(cmd: &mut Command, nics: &[QemuNic]) {
+    if nics.is_empty() {
+        return;
+    }
+    let fds: Vec<RawFd> = nics.iter().map(|n| n.tap.as_raw_fd()).collect();
+    // SAFETY: the closure runs in the forked child before exec; dup2 is async-signal-safe, the
+    // source fds are open (the `Arc<OwnedFd>`s in `nics` outlive the spawn) and the vector was
+    // allocated before the fork, so nothing allocates or locks here.
+    unsafe {
+        cmd.pre_exec(move || {
+            // First above the target range (a source may sit where another NIC's copy goes, or
+            // at its own target, where dup2 would keep close-on-exec), then into place.
+            let above = NIC_FD_BASE + MAX_NICS as RawFd;
+            let mut moved = [-1; MAX_NICS];
+            for (slot, fd) in moved.iter_mut().zip(&fds) {
+                *slot = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, above);
+                if *slot < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            for (i, tmp) in moved.iter().take(fds.len()).enumerate() {
+                if libc::dup2(*tmp, NIC_FD_BASE + i as RawFd) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
 fn spawn_tied_to_parent(cmd: &mut Command, binary: &Path) -> Result<Child, QemuError> {
     let parent = std::process::id();
     // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe

@@ -53,6 +53,7 @@ fn boot_and_check(vcpus: u8, memory_mib: u64) {
         work_dir: new_work_dir("kvm-linux-test"),
         agent_log_level: None,
         hostname: None,
+        nics: Vec::new(),
     };
     let mut vm = GuestVm::start(Backend::Kvm, &spec).expect("the embedded VMM starts the guest");
     vm.wait_agent_ready(Duration::from_secs(60))

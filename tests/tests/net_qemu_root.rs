@@ -4,20 +4,19 @@
 //! with eth0's MAC, the agent's ConfigureNetwork from setup's description; then the peer pings
 //! the pod's IPv4 and IPv6 addresses, which now answer from inside the guest.
 //!
-//! Until the shim's QEMU backend takes NICs (the sandbox wiring), the `-netdev`/`-device` pair is
-//! appended by a small wrapper script given as the QEMU binary, and the tap fd is inherited.
+//! The tap reaches QEMU through the QEMU backend's `QemuConfig::nics`, as in a pod.
 
 use std::net::IpAddr;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
-use std::os::unix::fs::PermissionsExt;
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agent_protocol::agent::ShutdownRequest;
 use agent_protocol::agent_ttrpc::AgentClient;
 use agent_protocol::AGENT_VSOCK_PORT;
 use microvm_tests::netns::{in_netns, require_root, run, TestNet, POD_MAC};
-use shim::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuVm};
+use shim::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuNic, QemuVm};
 use shim::resources::network::{self, MacAddr, TeardownOutcome};
 
 const AGENT_TIMEOUT: Duration = Duration::from_secs(180);
@@ -236,31 +235,16 @@ fn a_guest_configured_from_the_pod_netns_answers_on_the_pods_addresses() {
     let nic = pod.nics.remove(0);
     assert_eq!(nic.guest.mac, MacAddr(POD_MAC));
 
-    // QEMU inherits the tap fd: clear its close-on-exec flag.
-    let tap_fd = nic.tap.into_owned_fd();
-    // SAFETY: F_SETFD on an open fd we own.
-    let rc = unsafe { libc::fcntl(tap_fd.as_fd().as_raw_fd(), libc::F_SETFD, 0) };
-    assert_eq!(rc, 0);
-    let wrapper = work.join("qemu-with-nic.sh");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\nexec qemu-system-x86_64 \"$@\" -netdev tap,id=pod0,fd={fd} \
-             -device virtio-net-device,netdev=pod0,mac={mac}\n",
-            fd = tap_fd.as_raw_fd(),
-            mac = nic.guest.mac
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
-
+    // The QEMU backend hands the tap to QEMU as `-netdev tap,fd=` with eth0's MAC and MTU.
     let mut cfg = QemuConfig::new(kernel, initrd, vhost, work.join("vm"));
     cfg.accel = Accel::Tcg;
     cfg.memory_mib = 256;
-    cfg.qemu_binary = wrapper;
+    cfg.nics = vec![QemuNic {
+        tap: Arc::new(nic.tap.into_owned_fd()),
+        mac: nic.guest.mac.0,
+        mtu: u16::try_from(nic.guest.mtu).unwrap(),
+    }];
     let mut vm = QemuVm::start(cfg).expect("start QEMU");
-    // Ours is closed: QEMU (and vhost-device-vsock, harmlessly) hold the tap now.
-    drop(tap_fd);
     vm.wait_for_console("microvm-agent: ready", AGENT_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e}\n{}", vm.console_tail(30)));
     let stream = shim::agent_client::handshake(

@@ -189,6 +189,7 @@ fn boot_check(
         work_dir: new_work_dir("boot"),
         agent_log_level: None,
         hostname: None,
+        nics: Vec::new(),
     };
     let mut vm = GuestVm::start(backend, &spec)?;
     vm.wait_agent_ready(timeout)?;

@@ -26,7 +26,8 @@ use tokio::sync::{watch, Mutex};
 
 use crate::agent_client::AgentClient;
 use crate::config::{Config, Hypervisor};
-use crate::guest_vm::{Backend, GuestSpec, SharedDir};
+use crate::guest_vm::{Backend, GuestNic, GuestSpec, SharedDir};
+use crate::resources::network;
 use crate::task::bundle::{self, Role};
 use crate::task::exec::ExecProc;
 use crate::task::guest_spec;
@@ -253,7 +254,7 @@ impl TaskService {
             pod.vm.wait().await;
             let state = pod.state.clone();
             drop(pod);
-            if let Ok(Err(c)) = tokio::task::spawn_blocking(move || state.cleanup()).await {
+            if let Err(c) = release_host_resources(state).await {
                 log::warn!("{id}: cleanup after a failed create: {c}");
             }
         }
@@ -306,6 +307,37 @@ impl TaskService {
         state
             .create(std::process::id())
             .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
+        let sandbox_spec = bundle::read_spec(std::path::Path::new(&req.bundle)).ok();
+        // The pod network: a tap per CNI interface in the pod netns, redirected both ways;
+        // recorded in the state directory before anything is made (design.md 4c).
+        let network = match sandbox_spec.as_ref().and_then(bundle::network_namespace) {
+            Some(netns) => match network::setup(&netns, &state.network_record()).await {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    if let Err(c) = release_host_resources(state).await {
+                        log::warn!("cleaning up after a failed network setup: {c}");
+                    }
+                    return Err(status(
+                        Code::FAILED_PRECONDITION,
+                        format!("microvm: setting up the pod network: {e}"),
+                    ));
+                }
+            },
+            None => None,
+        };
+        let (nics, network_request) = match network {
+            Some(n) => {
+                let request = network::configure_network_request(n.guest_interfaces());
+                let nics = n.nics.into_iter().map(|nic| GuestNic {
+                    mac: nic.guest.mac.0,
+                    // The kernel's MTU of a CNI interface is at most 65535.
+                    mtu: u16::try_from(nic.guest.mtu).unwrap_or(u16::MAX),
+                    tap: Arc::new(nic.tap.into_owned_fd()),
+                });
+                (nics.collect(), Some(request))
+            }
+            None => (Vec::new(), None),
+        };
         let spec = GuestSpec {
             kernel: config.kernel.clone(),
             initrd: config.initrd.clone(),
@@ -313,9 +345,10 @@ impl TaskService {
             memory_mib: size.memory_mib,
             work_dir: state.vm_dir(),
             agent_log_level: Some(config.log_level.clone()),
-            hostname: bundle::read_spec(std::path::Path::new(&req.bundle))
-                .ok()
+            hostname: sandbox_spec
+                .as_ref()
                 .and_then(|spec| spec["hostname"].as_str().map(str::to_owned)),
+            nics,
         };
         log::info!(
             "sandbox {}: booting a {} VM with {} vCPUs, {} MiB",
@@ -326,7 +359,7 @@ impl TaskService {
         );
         let shared_dir = state.shared_dir();
         if let Err(e) = std::fs::create_dir_all(&shared_dir) {
-            let _ = state.cleanup();
+            let _ = release_host_resources(state).await;
             return Err(status(
                 Code::INTERNAL,
                 format!("microvm: creating {}: {e}", shared_dir.display()),
@@ -339,7 +372,7 @@ impl TaskService {
         let vm = match SandboxVm::boot(backend, spec, Some(shared), state.clone()).await {
             Ok(vm) => vm,
             Err(e) => {
-                if let Err(c) = state.cleanup() {
+                if let Err(c) = release_host_resources(state).await {
                     log::warn!("cleaning up after a failed boot: {c}");
                 }
                 return Err(status(Code::UNKNOWN, format!("microvm: {e}")));
@@ -353,11 +386,24 @@ impl TaskService {
             vm.info().boot_id
         );
         let exit = vm.exited();
+        let agent = vm.agent();
         self.inner.lock().await.pod = Some(Pod {
             id: req.id.clone(),
             state,
             vm,
         });
+        if let Some(request) = network_request {
+            // The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
+            if let Err(e) = agent_call(
+                format!("sandbox {}: configuring the pod network in the guest", req.id),
+                move || agent.configure_network(&request),
+            )
+            .await
+            {
+                self.discard_pod(&req.id).await;
+                return Err(e);
+            }
+        }
         Ok(exit)
     }
 
@@ -676,6 +722,20 @@ where
 const STDIN_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// "container X" or "exec E of container X", for errors.
+/// Undoes the pod's host side after its VM ended (or never started): the pod network (taps and
+/// tc filters in the pod netns, from the state directory's record), then the state directory
+/// (recorded processes, mounts). The same order as `<shim> delete` after a crash.
+pub(crate) async fn release_host_resources(state: StateDir) -> Result<String, String> {
+    let network = network::teardown(&state.network_record())
+        .await
+        .map_err(|e| format!("tearing down the pod network: {e}"))?;
+    let report = tokio::task::spawn_blocking(move || state.cleanup())
+        .await
+        .map_err(|e| format!("cleanup task: {e}"))?
+        .map_err(|e| e.to_string())?;
+    Ok(format!("network {network:?}, {report:?}"))
+}
+
 fn process_name(id: &str, exec_id: &str) -> String {
     if exec_id.is_empty() {
         format!("container {id}")
@@ -962,10 +1022,9 @@ impl Task for TaskService {
             };
             let state = pod.state.clone();
             drop(pod);
-            match tokio::task::spawn_blocking(move || state.cleanup()).await {
-                Ok(Ok(report)) => log::info!("sandbox {}: cleaned up {report:?}", req.id),
-                Ok(Err(e)) => log::warn!("sandbox {}: cleanup: {e}", req.id),
-                Err(e) => log::warn!("sandbox {}: cleanup task: {e}", req.id),
+            match release_host_resources(state).await {
+                Ok(report) => log::info!("sandbox {}: cleaned up {report}", req.id),
+                Err(e) => log::warn!("sandbox {}: cleanup: {e}", req.id),
             }
             exit
         } else {
