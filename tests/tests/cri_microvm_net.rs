@@ -383,19 +383,7 @@ async fn the_guest_has_the_cni_mac_addresses_routes_mtu_and_the_pods_dns() {
     remove_and_check(&ctrd, &cri, &pod).await;
 }
 
-/// Bytes per second of a download of `/big` from `ip`.
-async fn download_rate(ip: &str, kib: u32) -> f64 {
-    let addr = SocketAddr::new(ip.parse().unwrap(), HTTP_PORT);
-    // The server is up once the index page answers.
-    http_get_async(addr, "/").await.unwrap();
-    let t = Instant::now();
-    let body = http_get_async(addr, "/big").await.unwrap();
-    let secs = t.elapsed().as_secs_f64();
-    assert_eq!(body.len() as u64, u64::from(kib) * 1024);
-    body.len() as f64 / secs
-}
-
-/// The host's tbf qdiscs (the bandwidth plugin's), for the failure message.
+/// The host's tbf qdiscs (the bandwidth plugin's) as `tc` prints them.
 fn host_tbf_qdiscs() -> String {
     let out = Command::new("tc").args(["qdisc", "show"]).output().unwrap();
     String::from_utf8_lossy(&out.stdout)
@@ -405,11 +393,88 @@ fn host_tbf_qdiscs() -> String {
         .join("\n")
 }
 
+/// The largest `burst` of the tbf qdiscs in `tc`'s output, in bytes (`55834573b`, `512Kb`, `53Mb`).
+fn largest_tbf_burst(qdiscs: &str) -> Option<u64> {
+    qdiscs
+        .lines()
+        .filter_map(|l| {
+            let word = l.split_whitespace().skip_while(|w| *w != "burst").nth(1)?;
+            let digits: String = word
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect();
+            let unit = match &word[digits.len()..] {
+                "b" => 1.0,
+                "Kb" => 1024.0,
+                "Mb" => 1024.0 * 1024.0,
+                "Gb" => 1024.0 * 1024.0 * 1024.0,
+                _ => return None,
+            };
+            Some((digits.parse::<f64>().ok()? * unit) as u64)
+        })
+        .max()
+}
+
+/// Downloads `/big` (`size` bytes) from `ip` and returns the rate in bytes per second over
+/// everything after the first `skip` bytes (what a token bucket lets through once its burst is
+/// spent).
+fn tail_rate(ip: &str, size: u64, skip: u64) -> Result<f64, String> {
+    let addr = SocketAddr::new(ip.parse().unwrap(), HTTP_PORT);
+    let mut s =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .map_err(|e| e.to_string())?;
+    write!(s, "GET /big HTTP/1.0\r\nHost: pod\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut head = Vec::new();
+    let mut body = 0u64;
+    let mut tail_start = None;
+    loop {
+        let n = s.read(&mut buf).map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        if head.len() < 4 || !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            head.extend_from_slice(&buf[..n]);
+            if let Some(p) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                body = (head.len() - p - 4) as u64;
+            }
+        } else {
+            body += n as u64;
+        }
+        if tail_start.is_none() && body >= skip {
+            tail_start = Some((Instant::now(), body));
+        }
+    }
+    if body != size {
+        return Err(format!("got {body} of {size} bytes"));
+    }
+    let (t0, at) = tail_start.ok_or("never got past the burst")?;
+    Ok((body - at) as f64 / t0.elapsed().as_secs_f64())
+}
+
+async fn tail_rate_async(ip: &str, size: u64, skip: u64) -> f64 {
+    // The server is up once the index page answers.
+    http_get_async(SocketAddr::new(ip.parse().unwrap(), HTTP_PORT), "/")
+        .await
+        .unwrap();
+    let ip = ip.to_string();
+    tokio::task::spawn_blocking(move || tail_rate(&ip, size, skip))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("download from {e}"))
+}
+
+/// Writes `/www/big` of `size` random bytes in the pod's httpd container.
+async fn make_big(cri: &CriClient, httpd: &str, size: u64) {
+    let cmd = format!("head -c {size} /dev/urandom > /www/big");
+    exec_ok(cri, httpd, &["sh", "-c", &cmd]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bandwidth_annotations_limit_the_pods_traffic() {
     let _serial = SERIAL.lock().await;
     let (_dir, ctrd, cri) = start_net().await;
-    const KIB: u32 = 1024;
     const LIMIT_BITS: f64 = 2_000_000.0; // "2M"
     let limit = LIMIT_BITS / 8.0;
     let shaped = || PodExtras {
@@ -426,56 +491,75 @@ async fn the_bandwidth_annotations_limit_the_pods_traffic() {
         ..PodExtras::default()
     };
 
-    // Unshaped first: the same download must be clearly faster than the limit, or this
-    // environment cannot tell shaped from unshaped and the test says so.
-    let (free, _) = pod_serving(
+    // A runc pod first: what the CNI chain does for any pod. containerd asks the bandwidth
+    // plugin for a burst of 2^32-1 bits, which its tbf arithmetic turns into some tens of MB
+    // here: a token bucket passes that much at full speed before it limits. So the rates below
+    // are measured after the burst (read from the qdisc), over 1.25 MiB.
+    let (runc_pod, runc_httpd) =
+        pod_serving(&ctrd, &cri, "net-shaped-runc", "runc", shaped(), 0).await;
+    let tbf = host_tbf_qdiscs();
+    let burst = largest_tbf_burst(&tbf)
+        .unwrap_or_else(|| panic!("no tbf qdisc of the bandwidth plugin:\n{tbf}"));
+    let size = burst + 3 * 512 * 1024;
+    let skip = burst + 256 * 1024;
+    let (runc_ip, _) = pod_ips(&cri, &runc_pod).await;
+    make_big(&cri, &runc_httpd, size).await;
+    let runc_rate = tail_rate_async(&runc_ip, size, skip).await;
+    remove_and_check(&ctrd, &cri, &runc_pod).await;
+
+    let (free, free_httpd) = pod_serving(
         &ctrd,
         &cri,
         "net-unshaped",
         "microvm",
         PodExtras::default(),
-        KIB,
+        0,
     )
     .await;
     let (free_ip, _) = pod_ips(&cri, &free).await;
-    let unshaped = download_rate(&free_ip, KIB).await;
+    make_big(&cri, &free_httpd, size).await;
+    let unshaped = tail_rate_async(&free_ip, size, skip).await;
     remove_and_check(&ctrd, &cri, &free).await;
-    assert!(
-        unshaped > 2.0 * limit,
-        "unshaped download at {:.0} KB/s: too slow here to check a {:.0} KB/s limit",
-        unshaped / 1e3,
-        limit / 1e3
-    );
 
-    // The same annotations on a runc pod: what the CNI chain does for any pod.
-    let (runc_pod, _) = pod_serving(&ctrd, &cri, "net-shaped-runc", "runc", shaped(), KIB).await;
-    let (runc_ip, _) = pod_ips(&cri, &runc_pod).await;
-    let runc_rate = download_rate(&runc_ip, KIB).await;
-    let runc_tbf = host_tbf_qdiscs();
-    remove_and_check(&ctrd, &cri, &runc_pod).await;
-
-    let (pod, _) = pod_serving(&ctrd, &cri, "net-shaped", "microvm", shaped(), KIB).await;
+    let (pod, httpd) = pod_serving(&ctrd, &cri, "net-shaped", "microvm", shaped(), 0).await;
     let (ip, _) = pod_ips(&cri, &pod).await;
-    let rate = download_rate(&ip, KIB).await;
-    let tbf = host_tbf_qdiscs();
+    make_big(&cri, &httpd, size).await;
+    let rate = tail_rate_async(&ip, size, skip).await;
     eprintln!(
-        "download of {KIB} KiB: unshaped {:.0} KB/s; with 2M bandwidth annotations: microvm {:.0} KB/s, runc {:.0} KB/s (limit {:.0} KB/s)",
+        "download of {size} bytes, rate after the first {skip} (tbf burst {burst}): microvm unshaped {:.0} KB/s; with 2M bandwidth annotations microvm {:.0} KB/s, runc {:.0} KB/s (limit {:.0} KB/s)",
         unshaped / 1e3,
         rate / 1e3,
         runc_rate / 1e3,
         limit / 1e3
     );
     assert!(
+        unshaped > 2.0 * limit,
+        "unshaped at {:.0} KB/s: too slow here to check a {:.0} KB/s limit",
+        unshaped / 1e3,
+        limit / 1e3
+    );
+    assert!(
         runc_rate < 1.3 * limit,
-        "the CNI chain does not limit even a runc pod: {:.0} KB/s; tbf qdiscs:\n{runc_tbf}",
-        runc_rate / 1e3
+        "the CNI chain does not limit even a runc pod:\n{tbf}"
     );
     assert!(
         rate < 1.3 * limit,
-        "the microvm pod is not limited: {:.0} KB/s; tbf qdiscs:\n{tbf}",
-        rate / 1e3
+        "the microvm pod is not limited:\n{}",
+        host_tbf_qdiscs()
     );
     remove_and_check(&ctrd, &cri, &pod).await;
+}
+
+#[test]
+fn tbf_bursts_are_read_in_tcs_units() {
+    let out = "qdisc tbf 1: dev veth1 root refcnt 3 rate 2Mbit burst 55834573b lat 1.92e+03s\n\
+               qdisc tbf 1: dev bwp2 root refcnt 2 rate 2Mbit burst 512Kb lat 25ms";
+    assert_eq!(largest_tbf_burst(out), Some(55834573));
+    assert_eq!(
+        largest_tbf_burst("qdisc tbf 1: dev x root rate 1Mbit burst 2Mb lat 1s"),
+        Some(2 << 20)
+    );
+    assert_eq!(largest_tbf_burst("qdisc noqueue 0: dev lo root"), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
