@@ -475,32 +475,34 @@ async fn make_big(cri: &CriClient, httpd: &str, size: u64) {
 async fn the_bandwidth_annotations_limit_the_pods_traffic() {
     let _serial = SERIAL.lock().await;
     let (_dir, ctrd, cri) = start_net().await;
-    const LIMIT_BITS: f64 = 2_000_000.0; // "2M"
+    const LIMIT_BITS: f64 = 300_000.0; // "300k"
     let limit = LIMIT_BITS / 8.0;
     let shaped = || PodExtras {
         annotations: HashMap::from([
             (
                 "kubernetes.io/egress-bandwidth".to_string(),
-                "2M".to_string(),
+                "300k".to_string(),
             ),
             (
                 "kubernetes.io/ingress-bandwidth".to_string(),
-                "2M".to_string(),
+                "300k".to_string(),
             ),
         ]),
         ..PodExtras::default()
     };
 
     // A runc pod first: what the CNI chain does for any pod. containerd asks the bandwidth
-    // plugin for a burst of 2^32-1 bits, which its tbf arithmetic turns into some tens of MB
-    // here: a token bucket passes that much at full speed before it limits. So the rates below
-    // are measured after the burst (read from the qdisc), over 1.25 MiB.
+    // plugin for a burst of 2^32-1 bits, which its tbf arithmetic (a u32 of clock ticks that
+    // wraps) turns into a burst that depends on the rate: 56 MB at 2M, 2.1 MB at 300k here. A
+    // token bucket passes its burst at full speed before it limits, so the rates below are
+    // measured after the burst (read from the qdisc), over 512 KiB. 300k keeps the download
+    // short in the nested lane, where an unshaped pod moves a few hundred KB/s.
     let (runc_pod, runc_httpd) =
         pod_serving(&ctrd, &cri, "net-shaped-runc", "runc", shaped(), 0).await;
     let tbf = host_tbf_qdiscs();
     let burst = largest_tbf_burst(&tbf)
         .unwrap_or_else(|| panic!("no tbf qdisc of the bandwidth plugin:\n{tbf}"));
-    let size = burst + 3 * 512 * 1024;
+    let size = burst + 768 * 1024;
     let skip = burst + 256 * 1024;
     let (runc_ip, _) = pod_ips(&cri, &runc_pod).await;
     make_big(&cri, &runc_httpd, size).await;
@@ -526,7 +528,7 @@ async fn the_bandwidth_annotations_limit_the_pods_traffic() {
     make_big(&cri, &httpd, size).await;
     let rate = tail_rate_async(&ip, size, skip).await;
     eprintln!(
-        "download of {size} bytes, rate after the first {skip} (tbf burst {burst}): microvm unshaped {:.0} KB/s; with 2M bandwidth annotations microvm {:.0} KB/s, runc {:.0} KB/s (limit {:.0} KB/s)",
+        "download of {size} bytes, rate after the first {skip} (tbf burst {burst}): microvm unshaped {:.0} KB/s; with 300k bandwidth annotations microvm {:.0} KB/s, runc {:.0} KB/s (limit {:.0} KB/s)",
         unshaped / 1e3,
         rate / 1e3,
         runc_rate / 1e3,
