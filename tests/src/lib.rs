@@ -10,3 +10,4 @@ pub mod cri;
 pub mod images;
 pub mod lifecycle;
 pub mod microvm_pods;
+pub mod pod_net;
