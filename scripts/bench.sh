@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make bench`: target/release/microvm-bench on this host (the boot benchmark against QEMU, then
-# pods of the backend check-host picks against runc), and, where this host's KVM cannot boot our
-# guest, the pod benchmark once more inside the nested lane's L1 (docs/nested-lane.md), where the
-# embedded VMM runs our guest on QEMU's emulated SVM, against runc pods in the same L1.
+# pods of the backend check-host picks against runc: their lifecycle and memory, then their
+# network through the pod IP), and, where this host's KVM cannot boot our guest, the pod and
+# network parts once more inside the nested lane's L1 (docs/nested-lane.md), where the embedded
+# VMM runs our guest on QEMU's emulated SVM, against runc pods in the same L1.
 # Exits non-zero as soon as a part fails: a comparison that cannot run is a failure, not "n/a".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +24,8 @@ case $check in
       echo "== MICROVM_LANE=off: no embedded-VMM pod lines (this host's KVM cannot boot our guest)"
       exit 0
     fi
-    echo "== pod benchmark on the embedded VMM, inside the nested lane (L1 under QEMU/TCG)"
-    BENCH_ONLY=pods BENCH_HYPERVISOR=kvm \
+    echo "== pod and network benchmark on the embedded VMM, inside the nested lane (L1 under QEMU/TCG)"
+    BENCH_ONLY=pods,net BENCH_HYPERVISOR=kvm \
       scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-3600}" -- "$bin/microvm-bench"
     ;;
   *) echo "bench: check-host failed (exit $check)" >&2; exit 1 ;;

@@ -267,6 +267,16 @@ pub fn wait_page(addr: SocketAddr, page: &str, within: Duration) -> Result<Durat
     retry(addr, within, || get_page(addr, page, per_try)).map(|((), t)| t)
 }
 
+/// `GET path` until it answers 200, bounded by `within`: the time it took and the body.
+pub fn wait_get(
+    addr: SocketAddr,
+    path: &str,
+    within: Duration,
+) -> Result<(Duration, Vec<u8>), PodNetError> {
+    let per_try = Duration::from_secs(5).min(within);
+    retry(addr, within, || http_get(addr, path, per_try)).map(|((_, body), t)| (t, body))
+}
+
 /// Waits, bounded by `within` in all, until each of the pod's servers has served once (the
 /// page `page`, an upload of `download_bytes`, a download of `download_bytes`): they are up and
 /// reached through the pod IP. These first transfers are not measured.
@@ -486,6 +496,9 @@ mod tests {
         );
         let (_, body) = http_get(addr, "/", T).unwrap();
         assert_eq!(body, b"hi\n");
+        let addr = one_shot(b"HTTP/1.1 200 OK\r\n\r\npage\n", Reads::Request);
+        let (_, body) = wait_get(addr, "/", T).unwrap();
+        assert_eq!(body, b"page\n");
         let addr = one_shot(b"HTTP/1.0 404 Not Found\r\n\r\nno\n", Reads::Request);
         let e = http_get(addr, "/", T).unwrap_err().to_string();
         assert!(e.contains("404"), "{e}");
@@ -527,8 +540,10 @@ mod tests {
             .local_addr()
             .unwrap();
         let t = Instant::now();
+        let e = wait_get(addr, "/", Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(e, PodNetError::Unreachable { .. }), "{e}");
         let e = wait_page(addr, "x", Duration::from_secs(1)).unwrap_err();
-        assert!(t.elapsed() < Duration::from_secs(5));
+        assert!(t.elapsed() < Duration::from_secs(8));
         match e {
             PodNetError::Unreachable { last, .. } => {
                 assert!(matches!(*last, PodNetError::Connect { .. }), "{last}")

@@ -20,7 +20,14 @@
 //! accelerator, and the targets; on the embedded VMM also the idle pod's guest RAM and
 //! the shim's own memory. The backend is the one `microvm check-host` picks, or
 //! `BENCH_HYPERVISOR=kvm|qemu` (kvm where check-host says it cannot boot is an error).
-//! `BENCH_ONLY=boot` or `BENCH_ONLY=pods` runs one part.
+//!
+//! Then the pod network (needs root; see `net_bench`): a `microvm` and a `runc` pod on another
+//! private containerd, each serving busybox httpd and two `nc` servers, and from the host through
+//! each pod's IP, interleaved: TCP throughput pod -> host and host -> pod, and the latency of
+//! small HTTP requests (median and p99); the same line format. Knobs: `BENCH_NET_RUNS` (10),
+//! `BENCH_NET_MIB` (32 per transfer), `BENCH_NET_REQUESTS` (100 per run).
+//!
+//! `BENCH_ONLY` runs some parts only: a comma-separated list of `boot`, `pods`, `net`.
 //!
 //! A comparison that cannot run, or a number that cannot be had, fails the benchmark (exit 1,
 //! the reason on stderr) instead of printing n/a. docs/benchmarks.md has the numbers of this host
