@@ -1115,11 +1115,11 @@ async fn start_serving_pod(
         .run_pod_sandbox(config, handler)
         .await
         .map_err(|e| format!("RunPodSandbox: {}", one_line(e)))?;
+    side.pod = Some(pod.clone());
     side.netns = cri
         .pod_netns_path(&pod.id)
         .await
         .map_err(|e| format!("the pod's netns: {}", one_line(e)))?;
-    side.pod = Some(pod.clone());
     let spec = ServerSpec {
         page: side.name.clone(),
         www: "/www".into(),
