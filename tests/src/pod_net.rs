@@ -389,8 +389,9 @@ pub fn percentile(values: &[Duration], p: f64) -> Option<Duration> {
     }
     let mut sorted = values.to_vec();
     sorted.sort_unstable();
-    // ceil(p/100 * n) in 1..=n; p <= 100 keeps it within the slice.
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    // ceil(p * n / 100) in 1..=n; p <= 100 keeps it within the slice. p * n first: p / 100
+    // first would round a whole rank up past itself (0.999 * 1000 is just above 999).
+    let rank = (p * sorted.len() as f64 / 100.0).ceil() as usize;
     sorted.get(rank.max(1) - 1).copied()
 }
 
@@ -417,6 +418,19 @@ mod tests {
         assert_eq!(
             percentile(&ms(&hundred), 99.0),
             Some(Duration::from_millis(99))
+        );
+        for n in [10u64, 100, 300, 1000, 2000, 5000] {
+            let values: Vec<u64> = (1..=n).collect();
+            assert_eq!(
+                percentile(&ms(&values), 99.0),
+                Some(Duration::from_millis((n * 99).div_ceil(100))),
+                "n={n}"
+            );
+        }
+        let thousand: Vec<u64> = (1..=1000).collect();
+        assert_eq!(
+            percentile(&ms(&thousand), 99.9),
+            Some(Duration::from_millis(999))
         );
         let two_hundred: Vec<u64> = (1..=200).rev().collect();
         assert_eq!(
