@@ -64,6 +64,8 @@ pub enum PodNetError {
     Cri(#[from] CriError),
     #[error("the download size {0} is not a positive multiple of {DOWNLOAD_BLOCK} bytes")]
     DownloadSize(u64),
+    #[error("the server script's {what} {value:?} is empty or has characters other than letters, digits, `.`, `_`, `-` (and `/` in a path)")]
+    ScriptArg { what: &'static str, value: String },
 }
 
 /// The ports of a pod's servers.
@@ -84,9 +86,9 @@ pub const POD_PORTS: PodPorts = PodPorts {
 /// What [`server_script`] serves where.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerSpec {
-    /// The body of `GET /` (one line, letters, digits, `-` and `.` only).
+    /// The body of `GET /` (one line: letters, digits, `.`, `_` and `-` only).
     pub page: String,
-    /// httpd's document root (created).
+    /// httpd's document root (created; the same characters and `/`).
     pub www: String,
     pub ports: PodPorts,
     /// Bytes the download server sends per connection (a multiple of [`DOWNLOAD_BLOCK`]).
@@ -118,6 +120,21 @@ impl PodServers {
 pub fn server_script(spec: &ServerSpec) -> Result<String, PodNetError> {
     if spec.download_bytes == 0 || !spec.download_bytes.is_multiple_of(DOWNLOAD_BLOCK) {
         return Err(PodNetError::DownloadSize(spec.download_bytes));
+    }
+    // Both go into the shell script unquoted: only characters the shell takes literally.
+    let plain = |value: &str, slash: bool| {
+        !value.is_empty()
+            && value
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c) || (slash && c == '/'))
+    };
+    for (what, value, slash) in [("page", &spec.page, false), ("www", &spec.www, true)] {
+        if !plain(value, slash) {
+            return Err(PodNetError::ScriptArg {
+                what,
+                value: value.clone(),
+            });
+        }
     }
     let blocks = spec.download_bytes / DOWNLOAD_BLOCK;
     let PodPorts {
@@ -449,7 +466,7 @@ mod tests {
     }
 
     #[test]
-    fn the_download_size_must_be_whole_blocks() {
+    fn the_script_takes_whole_blocks_and_plain_words_only() {
         let mut spec = ServerSpec {
             page: "p".into(),
             www: "/www".into(),
@@ -465,6 +482,24 @@ mod tests {
         spec.download_bytes = DOWNLOAD_BLOCK * 3;
         let script = server_script(&spec).unwrap();
         assert!(script.contains("count=3 "), "{script}");
+        for page in ["", "a b", "x;reboot", "$(id)", "a/b"] {
+            let bad = ServerSpec {
+                page: page.into(),
+                ..spec.clone()
+            };
+            assert!(
+                matches!(
+                    server_script(&bad),
+                    Err(PodNetError::ScriptArg { what: "page", .. })
+                ),
+                "{page:?}"
+            );
+        }
+        let bad = ServerSpec {
+            www: "/tmp/a b".into(),
+            ..spec.clone()
+        };
+        assert!(server_script(&bad).is_err());
     }
 
     /// What a [`one_shot`] server reads before it answers.
