@@ -11,3 +11,4 @@ pub mod images;
 pub mod lifecycle;
 pub mod microvm_pods;
 pub mod netns;
+pub mod pod_net;

@@ -20,7 +20,14 @@
 //! accelerator, and the issue's targets; on the embedded VMM also the idle pod's guest RAM and
 //! the shim's own memory. The backend is the one `microvm check-host` picks, or
 //! `BENCH_HYPERVISOR=kvm|qemu` (kvm where check-host says it cannot boot is an error).
-//! `BENCH_ONLY=boot` or `BENCH_ONLY=pods` runs one part.
+//!
+//! Then the pod network (needs root; see `net_bench`): a `microvm` and a `runc` pod on another
+//! private containerd, each serving busybox httpd and two `nc` servers, and from the host through
+//! each pod's IP, interleaved: TCP throughput pod -> host and host -> pod, and the latency of
+//! small HTTP requests (median and p99); the same line format. Knobs: `BENCH_NET_RUNS` (10),
+//! `BENCH_NET_MIB` (32 per transfer), `BENCH_NET_REQUESTS` (100 per run).
+//!
+//! `BENCH_ONLY` runs some parts only: a comma-separated list of `boot`, `pods`, `net`.
 //!
 //! A comparison that cannot run, or a number that cannot be had, fails the benchmark (exit 1,
 //! the reason on stderr) instead of printing n/a. docs/benchmarks.md has the numbers of this host
@@ -34,11 +41,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use microvm_tests::containerd::{ContainerdOptions, PrivateContainerd};
-use microvm_tests::cri::CriClient;
+use microvm_tests::cri::{container_config, CriClient, Pod};
 use microvm_tests::images::{BUSYBOX_IMAGE, PAUSE_IMAGE};
 use microvm_tests::lifecycle::{
-    choose_vm_backend, timed_pod_lifecycle_with, wait_pod_gone, write_shim_config,
-    LifecycleOptions, LifecycleOutcome, LifecycleTimings, PodMemory, VmBackend,
+    choose_vm_backend, pod_processes, timed_pod_lifecycle_with, vm_accel, wait_pod_gone,
+    write_shim_config, LifecycleOptions, LifecycleOutcome, LifecycleTimings, PodMemory, VmBackend,
+};
+use microvm_tests::pod_net::{
+    download, http_get, mib_per_s, percentile, pod_ip, server_script, upload, wait_servers,
+    PodNetError, PodServers, ServerSpec, POD_PORTS,
 };
 use std::collections::HashMap;
 
@@ -263,32 +274,93 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Runs the selected parts. A part whose comparison cannot run (or that misses a number it
-/// was to report) fails the benchmark: the reason goes to stderr and the exit is non-zero. The
-/// other part still runs, so one failure does not hide the other's numbers.
-fn main() -> ExitCode {
-    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
-    if !matches!(only.as_str(), "" | "boot" | "pods") {
-        eprintln!("bench: BENCH_ONLY={only:?}: expected boot or pods (or unset for both)");
-        return ExitCode::FAILURE;
-    }
-    let mut failed = Vec::new();
-    if only != "pods" {
-        if let Err(e) = vmm_boot_bench() {
-            eprintln!("bench: the boot comparison FAILED: {e:#}");
-            failed.push("boot");
+/// A part of the benchmark, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    /// Our VMM against QEMU booting the test guest.
+    Boot,
+    /// Pod lifecycles and idle memory, `microvm` against `runc`.
+    Pods,
+    /// The pod network through the pod IP, `microvm` against `runc`.
+    Net,
+}
+
+impl Part {
+    const ALL: [Part; 3] = [Part::Boot, Part::Pods, Part::Net];
+
+    /// Its name in `BENCH_ONLY`.
+    fn name(self) -> &'static str {
+        match self {
+            Part::Boot => "boot",
+            Part::Pods => "pods",
+            Part::Net => "net",
         }
     }
-    if only != "boot" {
-        let result = tokio::runtime::Builder::new_multi_thread()
+
+    /// What the failure message calls it.
+    fn what(self) -> &'static str {
+        match self {
+            Part::Boot => "the boot comparison",
+            Part::Pods => "the pod comparison",
+            Part::Net => "the pod network comparison",
+        }
+    }
+}
+
+/// The parts `BENCH_ONLY` selects: a comma-separated list of part names (unset or empty: all),
+/// in the order they run.
+fn selected_parts(only: &str) -> Result<Vec<Part>, String> {
+    if only.trim().is_empty() {
+        return Ok(Part::ALL.to_vec());
+    }
+    let mut wanted = Vec::new();
+    for name in only.split(',').map(str::trim) {
+        match Part::ALL.iter().find(|p| p.name() == name) {
+            Some(p) => wanted.push(*p),
+            None => {
+                return Err(format!(
+                    "BENCH_ONLY={only:?}: {name:?} is not a part; expected a comma-separated \
+                     list of {} (or unset for all)",
+                    Part::ALL.map(Part::name).join(", ")
+                ))
+            }
+        }
+    }
+    Ok(Part::ALL
+        .into_iter()
+        .filter(|p| wanted.contains(p))
+        .collect())
+}
+
+/// Runs the selected parts. A part whose comparison cannot run (or that misses a number it
+/// was to report) fails the benchmark: the reason goes to stderr and the exit is non-zero. The
+/// other parts still run, so one failure does not hide the others' numbers.
+fn main() -> ExitCode {
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    let parts = match selected_parts(&only) {
+        Ok(parts) => parts,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut failed = Vec::new();
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .context("starting the async runtime")
-            .and_then(|runtime| runtime.block_on(pod_bench()));
+    };
+    for part in parts {
+        let result = match part {
+            Part::Boot => vmm_boot_bench(),
+            Part::Pods => runtime().and_then(|r| r.block_on(pod_bench())),
+            Part::Net => runtime().and_then(|r| r.block_on(net_bench())),
+        };
         if let Err(e) = result {
-            eprintln!("bench: the pod comparison FAILED: {e:#}");
-            failed.push("pods");
+            eprintln!("bench: {} FAILED: {e:#}", part.what());
+            failed.push(part.name());
         }
     }
     if failed.is_empty() {
@@ -549,6 +621,83 @@ fn check_host_kvm_kind(microvm: &Path, kernel: &Path) -> Result<String> {
         .with_context(|| format!("check-host --json has no kvm_kind: {report}"))
 }
 
+/// What the pod and network parts share: the backend of the `microvm` handler, its shim config
+/// and a private containerd with both handlers, the images imported.
+struct PodSetup {
+    backend: PodBackend,
+    /// On the embedded VMM, its accelerator from check-host (QEMU's is read from each pod's QEMU
+    /// command line).
+    embedded_accel: Option<String>,
+    /// The VM size the shim gives a pod without limits (ours set none).
+    vm_size: shim::config::VmSize,
+    // Fields drop in order: the CRI client before its containerd.
+    cri: CriClient,
+    ctrd: PrivateContainerd,
+    /// Holds the shim config for the life of the containerd.
+    config_dir: tempfile::TempDir,
+}
+
+impl PodSetup {
+    /// Picks the backend (check-host's choice, or `BENCH_HYPERVISOR`), writes the shim config
+    /// and starts the private containerd (the default CNI bridge).
+    async fn start() -> Result<PodSetup> {
+        let root = repo_root();
+        let bin_dir = bin_dir()?;
+        let microvm = bin_dir.join("microvm");
+        let kernel = root.join("build/vmlinux");
+        let initrd = root.join("build/initrd.cpio");
+        for p in [
+            &microvm,
+            &bin_dir.join("containerd-shim-microvm-v1"),
+            &kernel,
+            &initrd,
+        ] {
+            if !p.exists() {
+                bail!("{} is missing: make build kernel initrd", p.display());
+            }
+        }
+        let check = choose_vm_backend(&microvm, &kernel)?;
+        let backend = pick_backend(&check, std::env::var("BENCH_HYPERVISOR").ok().as_deref())?;
+        let embedded_accel = if backend.embedded() {
+            Some(embedded_accel(&check_host_kvm_kind(&microvm, &kernel)?))
+        } else {
+            None
+        };
+        let config_dir = tempfile::tempdir().context("temp dir for the shim config")?;
+        let config = write_shim_config(
+            config_dir.path(),
+            backend.hypervisor,
+            &kernel,
+            &initrd,
+            "info",
+        )?;
+        let vm_size = shim::config::Config::load(Some(&config))
+            .with_context(|| format!("reading back the shim config {}", config.display()))?
+            .vm_size(&HashMap::new())
+            .map_err(|e| anyhow::anyhow!("the VM size of a pod without limits: {e}"))?;
+        let ctrd = PrivateContainerd::start(ContainerdOptions {
+            extra_path: vec![bin_dir],
+            microvm_config: Some(config),
+            ..ContainerdOptions::default()
+        })
+        .context("starting the private containerd")?;
+        let cri = CriClient::connect(ctrd.socket(), Duration::from_secs(120))
+            .await
+            .map_err(|e| with_log(&ctrd, "CRI", e))?;
+        cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
+            .await
+            .map_err(|e| with_log(&ctrd, "CRI not ready", e))?;
+        Ok(PodSetup {
+            backend,
+            embedded_accel,
+            vm_size,
+            cri,
+            ctrd,
+            config_dir,
+        })
+    }
+}
+
 /// Pods through CRI on one private containerd, `runc` and `microvm` handlers interleaved
 /// (alternating which goes first), after one uncounted warm-up pod of each:
 /// - the lifecycle of `microvm_tests::lifecycle::timed_pod_lifecycle` (RunPodSandbox,
@@ -568,7 +717,6 @@ async fn pod_bench() -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("the pod benchmark starts containerd and VMs: run it as root (or BENCH_ONLY=boot)");
     }
-    let root = repo_root();
     let pods: usize = std::env::var("BENCH_PODS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -576,54 +724,14 @@ async fn pod_bench() -> Result<()> {
     if pods == 0 {
         bail!("BENCH_PODS=0: nothing to compare");
     }
-    let bin_dir = bin_dir()?;
-    let microvm = bin_dir.join("microvm");
-    let kernel = root.join("build/vmlinux");
-    let initrd = root.join("build/initrd.cpio");
-    for p in [
-        &microvm,
-        &bin_dir.join("containerd-shim-microvm-v1"),
-        &kernel,
-        &initrd,
-    ] {
-        if !p.exists() {
-            bail!("{} is missing: make build kernel initrd", p.display());
-        }
-    }
-    let check = choose_vm_backend(&microvm, &kernel)?;
-    let backend = pick_backend(&check, std::env::var("BENCH_HYPERVISOR").ok().as_deref())?;
-    // The embedded VMM's accelerator is check-host's KVM kind; QEMU's is read from each pod's
-    // QEMU command line below.
-    let embedded_accel = if backend.embedded() {
-        Some(embedded_accel(&check_host_kvm_kind(&microvm, &kernel)?))
-    } else {
-        None
-    };
-    let config_dir = tempfile::tempdir().context("temp dir for the shim config")?;
-    let config = write_shim_config(
-        config_dir.path(),
-        backend.hypervisor,
-        &kernel,
-        &initrd,
-        "info",
-    )?;
-    // The VM size the shim gives a pod without limits (ours set none), from the config it reads.
-    let vm_size = shim::config::Config::load(Some(&config))
-        .with_context(|| format!("reading back the shim config {}", config.display()))?
-        .vm_size(&HashMap::new())
-        .map_err(|e| anyhow::anyhow!("the VM size of a pod without limits: {e}"))?;
-    let ctrd = PrivateContainerd::start(ContainerdOptions {
-        extra_path: vec![bin_dir],
-        microvm_config: Some(config),
-        ..ContainerdOptions::default()
-    })
-    .context("starting the private containerd")?;
-    let cri = CriClient::connect(ctrd.socket(), Duration::from_secs(120))
-        .await
-        .map_err(|e| with_log(&ctrd, "CRI", e))?;
-    cri.wait_ready(&[PAUSE_IMAGE, BUSYBOX_IMAGE], Duration::from_secs(30))
-        .await
-        .map_err(|e| with_log(&ctrd, "CRI not ready", e))?;
+    let PodSetup {
+        backend,
+        embedded_accel,
+        vm_size,
+        cri,
+        ctrd,
+        config_dir: _config_dir,
+    } = PodSetup::start().await?;
 
     let ours_opts = LifecycleOptions {
         idle_memory_after: Some(Duration::from_secs(1)),
@@ -901,6 +1009,423 @@ async fn pod_bench() -> Result<()> {
     Ok(())
 }
 
+/// Runs of the network part per handler (`BENCH_NET_RUNS`).
+const NET_RUNS: usize = 10;
+/// MiB per transfer and direction (`BENCH_NET_MIB`).
+const NET_MIB: u64 = 32;
+/// HTTP requests per run (`BENCH_NET_REQUESTS`).
+const NET_REQUESTS: usize = 100;
+/// Bound on a started pod's servers answering through its IP (with the first, unmeasured
+/// transfers): the guest runs under TCG here, emulated twice in the lane.
+const NET_REACH_TIMEOUT: Duration = Duration::from_secs(90);
+/// Bound on each connect, read and write of a measurement.
+const NET_IO_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A metric of the network part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NetMetric {
+    /// One TCP transfer the pod sends and the host reads to its end.
+    PodToHost,
+    /// One TCP transfer the host sends, until the pod says it has read it all.
+    HostToPod,
+    /// Small HTTP requests from the host, one connection each.
+    HttpLatency,
+}
+
+impl NetMetric {
+    const ALL: [NetMetric; 3] = [
+        NetMetric::PodToHost,
+        NetMetric::HostToPod,
+        NetMetric::HttpLatency,
+    ];
+}
+
+/// What one handler's pod gave for one metric: the samples, or why it could not be measured.
+type Measured = Result<Vec<Duration>, String>;
+
+/// One handler's serving pod in the network part.
+struct NetSide {
+    handler: &'static str,
+    /// Its name, also the page `GET /` answers.
+    name: String,
+    /// Once RunPodSandbox returned: the pod, removed at the end.
+    pod: Option<Pod>,
+    netns: Option<PathBuf>,
+    /// Its servers, reached through the pod IP; or why not.
+    servers: Result<PodServers, String>,
+    pod_to_host: Measured,
+    host_to_pod: Measured,
+    latency: Measured,
+}
+
+impl NetSide {
+    fn measured(&mut self, metric: NetMetric) -> &mut Measured {
+        match metric {
+            NetMetric::PodToHost => &mut self.pod_to_host,
+            NetMetric::HostToPod => &mut self.host_to_pod,
+            NetMetric::HttpLatency => &mut self.latency,
+        }
+    }
+
+    /// The samples of `metric`, or why there are none (the pod's own failure first).
+    fn result(&self, metric: NetMetric) -> Result<&[Duration], String> {
+        let servers = self.servers.as_ref().map_err(Clone::clone)?;
+        let measured = match metric {
+            NetMetric::PodToHost => &self.pod_to_host,
+            NetMetric::HostToPod => &self.host_to_pod,
+            NetMetric::HttpLatency => &self.latency,
+        };
+        let samples = measured.as_ref().map_err(Clone::clone)?;
+        if samples.is_empty() {
+            return Err(format!("no samples from {}", servers.ip));
+        }
+        Ok(samples)
+    }
+}
+
+/// An error as one line of at most 400 characters, for a report line.
+fn one_line(e: impl std::fmt::Display) -> String {
+    let text = format!("{e:#}")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" | ");
+    if text.chars().count() > 400 {
+        let cut: String = text.chars().take(400).collect();
+        format!("{cut}…")
+    } else {
+        text
+    }
+}
+
+/// Starts `side`'s pod with one busybox container running [`server_script`], and waits until
+/// its servers answer through the pod IP.
+async fn start_serving_pod(
+    ctrd: &PrivateContainerd,
+    cri: &CriClient,
+    side: &mut NetSide,
+    download_bytes: u64,
+) -> Result<PodServers, String> {
+    let handler = side.handler;
+    let config = ctrd
+        .pod_config(&side.name, HashMap::new())
+        .map_err(|e| format!("the pod config: {e}"))?;
+    let pod = cri
+        .run_pod_sandbox(config, handler)
+        .await
+        .map_err(|e| format!("RunPodSandbox: {}", one_line(e)))?;
+    side.pod = Some(pod.clone());
+    side.netns = cri
+        .pod_netns_path(&pod.id)
+        .await
+        .map_err(|e| format!("the pod's netns: {}", one_line(e)))?;
+    let spec = ServerSpec {
+        page: side.name.clone(),
+        www: "/www".into(),
+        ports: POD_PORTS,
+        download_bytes,
+    };
+    let script = server_script(&spec).map_err(|e| e.to_string())?;
+    let id = cri
+        .create_container(
+            &pod,
+            container_config("servers", ctrd.busybox_image(), &["sh", "-c", &script]),
+        )
+        .await
+        .map_err(|e| format!("CreateContainer: {}", one_line(e)))?;
+    cri.start_container(&id)
+        .await
+        .map_err(|e| format!("StartContainer: {}", one_line(e)))?;
+    let ip = pod_ip(cri, &pod.id)
+        .await
+        .map_err(|e| format!("the pod IP: {}", one_line(e)))?;
+    let servers = PodServers {
+        ip,
+        ports: POD_PORTS,
+    };
+    let page = side.name.clone();
+    let reached = tokio::task::spawn_blocking(move || {
+        wait_servers(&servers, &page, download_bytes, NET_REACH_TIMEOUT)
+    })
+    .await
+    .map_err(|e| format!("the reachability check panicked: {e}"))?;
+    match reached {
+        Ok(after) => {
+            eprintln!(
+                "bench: net: the {handler} pod's servers answered at {ip} (ports {} http, {} \
+                 upload, {} download) after {:.2}s",
+                POD_PORTS.http,
+                POD_PORTS.upload,
+                POD_PORTS.download,
+                after.as_secs_f64()
+            );
+            Ok(servers)
+        }
+        Err(e) => Err(format!(
+            "its IP {ip} (from CRI) did not serve the host: {}",
+            one_line(e)
+        )),
+    }
+}
+
+/// One run of `metric` on `side`; a failure ends that metric for the side, with the reason.
+async fn measure_net(
+    side: &mut NetSide,
+    metric: NetMetric,
+    run: usize,
+    bytes: u64,
+    requests: usize,
+) {
+    let Ok(servers) = side.servers.clone() else {
+        return;
+    };
+    if side.measured(metric).is_err() {
+        return;
+    }
+    let page = side.name.clone();
+    let result = tokio::task::spawn_blocking(move || -> Result<Vec<Duration>, PodNetError> {
+        match metric {
+            NetMetric::PodToHost => Ok(vec![download(servers.download(), bytes, NET_IO_TIMEOUT)?]),
+            NetMetric::HostToPod => Ok(vec![upload(servers.upload(), bytes, NET_IO_TIMEOUT)?]),
+            NetMetric::HttpLatency => {
+                let mut times = Vec::with_capacity(requests);
+                for _ in 0..requests {
+                    let (t, body) = http_get(servers.http(), "/", NET_IO_TIMEOUT)?;
+                    if String::from_utf8_lossy(&body).trim() != page {
+                        return Err(PodNetError::Protocol {
+                            addr: servers.http(),
+                            detail: format!(
+                                "GET / answered {:?}, expected {page:?}",
+                                String::from_utf8_lossy(&body[..body.len().min(80)])
+                            ),
+                        });
+                    }
+                    times.push(t);
+                }
+                Ok(times)
+            }
+        }
+    })
+    .await;
+    let entry = side.measured(metric);
+    match result {
+        Ok(Ok(samples)) => {
+            if let Ok(all) = entry {
+                all.extend(samples);
+            }
+        }
+        Ok(Err(e)) => *entry = Err(format!("run {run}: {}", one_line(e))),
+        Err(e) => *entry = Err(format!("run {run}: the measuring thread panicked: {e}")),
+    }
+}
+
+/// A `BENCH_NET_*` knob: a positive number, `default` when unset.
+fn positive_knob<T: std::str::FromStr + Default + PartialEq>(name: &str, default: T) -> Result<T> {
+    match std::env::var(name) {
+        Err(_) => Ok(default),
+        Ok(v) => match v.trim().parse::<T>() {
+            Ok(n) if n != T::default() => Ok(n),
+            _ => bail!("{name}={v:?}: expected a positive whole number"),
+        },
+    }
+}
+
+/// The pod network, `microvm` and `runc` pods side by side on one private containerd (the
+/// default CNI bridge): each pod runs one busybox container serving [`server_script`] (httpd, an
+/// upload and a download `nc` server), and the bench on the host measures through each pod's
+/// IP, interleaved run by run (alternating which handler goes first), `BENCH_NET_RUNS` runs:
+/// - `net_tcp_pod_to_host`, `net_tcp_host_to_pod`: one TCP transfer of `BENCH_NET_MIB` MiB per
+///   run and direction (MiB/s, the median run);
+/// - `net_http_latency_median`, `net_http_latency_p99`: `BENCH_NET_REQUESTS` HTTP/1.0 `GET /`
+///   per run, a connection each, over all runs' requests.
+///
+/// A metric that cannot be measured on one side (the pod does not start, its IP does not serve,
+/// a transfer fails or comes short) prints `FAILED` there with the reason, and fails the
+/// benchmark once everything is printed; the other side's number is still printed.
+async fn net_bench() -> Result<()> {
+    // SAFETY: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the network benchmark starts containerd and VMs: run it as root");
+    }
+    let runs: usize = positive_knob("BENCH_NET_RUNS", NET_RUNS)?;
+    let mib: u64 = positive_knob("BENCH_NET_MIB", NET_MIB)?;
+    let requests: usize = positive_knob("BENCH_NET_REQUESTS", NET_REQUESTS)?;
+    let bytes = mib
+        .checked_mul(1 << 20)
+        .context("BENCH_NET_MIB is too large")?;
+    let PodSetup {
+        backend,
+        embedded_accel,
+        vm_size,
+        cri,
+        ctrd,
+        config_dir: _config_dir,
+    } = PodSetup::start().await?;
+    eprintln!(
+        "bench: net: backend {} ({}), a serving pod of each handler, then {runs} runs each, \
+         interleaved",
+        backend.label(),
+        backend.why
+    );
+    let new_side = |handler: &'static str| NetSide {
+        handler,
+        name: format!("bench-net-{handler}"),
+        pod: None,
+        netns: None,
+        servers: Err("not started".into()),
+        pod_to_host: Ok(Vec::new()),
+        host_to_pod: Ok(Vec::new()),
+        latency: Ok(Vec::new()),
+    };
+    let mut sides = [new_side("microvm"), new_side("runc")];
+    for side in sides.iter_mut() {
+        side.servers = start_serving_pod(&ctrd, &cri, side, bytes).await;
+        if let Err(e) = &side.servers {
+            eprintln!(
+                "bench: net: the {} pod cannot be measured: {e}\n--- the last lines of \
+                 containerd's log ---\n{}",
+                side.handler,
+                ctrd.log_tail()
+            );
+        }
+    }
+    for run in 0..runs {
+        let order = if run % 2 == 0 { [0, 1] } else { [1, 0] };
+        for metric in NetMetric::ALL {
+            for k in order {
+                measure_net(&mut sides[k], metric, run, bytes, requests).await;
+            }
+        }
+        eprintln!("bench: net: run {} of {runs} done", run + 1);
+    }
+
+    let mut failures: Vec<String> = Vec::new();
+    // The accelerator of our pods' VMs, while the pod still runs.
+    let accel = match (&embedded_accel, &sides[0].pod) {
+        (Some(accel), _) => accel.clone(),
+        (None, Some(pod)) => match vm_accel(&pod_processes(&ctrd, &pod.id)) {
+            Some(accel) => accel,
+            None => {
+                failures.push("the QEMU process of our pod was not found".into());
+                "unknown".into()
+            }
+        },
+        (None, None) => "unknown (our pod did not start)".into(),
+    };
+    // Remove both pods, then check what each left (the check sees the whole instance).
+    let mut removed = Vec::new();
+    for side in &mut sides {
+        let Some(pod) = side.pod.take() else {
+            continue;
+        };
+        let result = async {
+            cri.stop_pod_sandbox(&pod.id).await?;
+            cri.remove_pod_sandbox(&pod.id).await
+        }
+        .await;
+        match result {
+            Ok(()) => removed.push((side.handler, pod.id, side.netns.clone())),
+            Err(e) => failures.push(format!(
+                "removing the {} pod: {}",
+                side.handler,
+                one_line(e)
+            )),
+        }
+    }
+    for (handler, id, netns) in removed {
+        let left = wait_pod_gone(&ctrd, &id, netns.as_deref(), Duration::from_secs(30));
+        if !left.is_empty() {
+            failures.push(format!("the {handler} pod left: {}", left.join("; ")));
+        }
+    }
+    drop(cri);
+    drop(ctrd);
+
+    let tag = format!("(backend={} accel={accel})", backend.label());
+    println!(
+        "# the pod network through CRI on a private containerd (the default CNI bridge), from the \
+         host through each pod's IP: {runs} runs per handler, interleaved; throughput: one TCP \
+         transfer of {mib} MiB per run and direction (busybox nc in the pod, MiB/s of the median \
+         run); latency: {requests} HTTP/1.0 GET / per run, a connection each (busybox httpd), \
+         over all {} requests; ours = the microvm handler: backend {} accel {accel} ({}), guest {} \
+         vCPU {} MiB",
+        runs * requests,
+        backend.label(),
+        backend.why,
+        vm_size.vcpus,
+        vm_size.memory_mib
+    );
+    if runs < MIN_PODS {
+        println!(
+            "# only {runs} runs per handler (BENCH_NET_RUNS): too few for trustworthy medians \
+             (>= {MIN_PODS})"
+        );
+    }
+    let [ours, runc] = &sides;
+    let mibs = |v: &[Duration]| -> Vec<f64> { v.iter().map(|d| mib_per_s(bytes, *d)).collect() };
+    let range = |v: &[f64], unit: &str| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        format!("{lo:.1}-{hi:.1}{unit}")
+    };
+    let mut report =
+        |name: &str, metric: NetMetric, value: &dyn Fn(&[Duration]) -> (f64, String)| {
+            let (o, r) = (ours.result(metric), runc.result(metric));
+            let show = |side: &Result<&[Duration], String>| match side {
+                Ok(v) => value(v).1,
+                Err(_) => "FAILED".to_string(),
+            };
+            let ratio = match (&o, &r) {
+                (Ok(o), Ok(r)) => format!("{:.2}", value(o).0 / value(r).0),
+                _ => "FAILED".to_string(),
+            };
+            let mut why = Vec::new();
+            for (who, side) in [("ours", &o), ("runc", &r)] {
+                if let Err(e) = side {
+                    why.push(format!("{who} not measured: {e}"));
+                    failures.push(format!("{name}: {who} not measured"));
+                }
+            }
+            let why = if why.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", why.join("; "))
+            };
+            println!(
+                "{name} ours={} runc={} ratio={ratio} {tag}{why}",
+                show(&o),
+                show(&r)
+            );
+        };
+    for (name, metric) in [
+        ("net_tcp_pod_to_host", NetMetric::PodToHost),
+        ("net_tcp_host_to_pod", NetMetric::HostToPod),
+    ] {
+        report(name, metric, &|v| {
+            let per_run = mibs(v);
+            let m = median(per_run.clone());
+            (
+                m,
+                format!("{m:.1}MiB/s (runs {})", range(&per_run, "MiB/s")),
+            )
+        });
+    }
+    for (name, p) in [
+        ("net_http_latency_median", 50.0),
+        ("net_http_latency_p99", 99.0),
+    ] {
+        report(name, NetMetric::HttpLatency, &|v| {
+            let ms = percentile(v, p).map_or(f64::NAN, |d| d.as_secs_f64() * 1000.0);
+            (ms, format!("{ms:.2}ms"))
+        });
+    }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("; "));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -936,6 +1461,42 @@ mod tests {
             "{e}"
         );
         assert!(pick_backend(&check("kvm"), Some("firecracker")).is_err());
+    }
+
+    #[test]
+    fn bench_only_selects_parts_in_their_order() {
+        assert_eq!(selected_parts("").unwrap(), Part::ALL.to_vec());
+        assert_eq!(selected_parts("net").unwrap(), vec![Part::Net]);
+        assert_eq!(
+            selected_parts("net, pods").unwrap(),
+            vec![Part::Pods, Part::Net]
+        );
+        assert_eq!(selected_parts("boot,boot").unwrap(), vec![Part::Boot]);
+        let e = selected_parts("pods,network").unwrap_err();
+        assert!(
+            e.contains("\"network\"") && e.contains("boot, pods, net"),
+            "{e}"
+        );
+        assert!(selected_parts("pods,").is_err());
+    }
+
+    #[test]
+    fn net_knobs_are_positive_numbers() {
+        std::env::remove_var("BENCH_NET_TEST_UNSET");
+        assert_eq!(positive_knob("BENCH_NET_TEST_UNSET", 7usize).unwrap(), 7);
+        std::env::set_var("BENCH_NET_TEST_SET", " 12 ");
+        assert_eq!(positive_knob("BENCH_NET_TEST_SET", 7usize).unwrap(), 12);
+        std::env::set_var("BENCH_NET_TEST_ZERO", "0");
+        assert!(positive_knob("BENCH_NET_TEST_ZERO", 7u64).is_err());
+        std::env::set_var("BENCH_NET_TEST_WORD", "many");
+        assert!(positive_knob("BENCH_NET_TEST_WORD", 7u64).is_err());
+    }
+
+    #[test]
+    fn an_error_becomes_one_bounded_line() {
+        assert_eq!(one_line("a\n\n  b \nc"), "a | b | c");
+        let long = "x".repeat(1000);
+        assert_eq!(one_line(&long).chars().count(), 401);
     }
 
     #[test]

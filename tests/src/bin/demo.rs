@@ -8,12 +8,17 @@
 //! 3. RunPodSandbox with the `microvm` handler boots the pod's VM;
 //! 4. a busybox container prints the kernel it runs on (the guest's, next to the host's) and a
 //!    line, then exits with a chosen code; its CRI log lines and exit code are printed;
-//! 5. the pod is removed and nothing of it may remain (processes, mounts, state directory, shim
+//! 5. the pod's network: a second container serves a page with busybox httpd, and the demo
+//!    fetches it on the host from the pod's IP (the address CNI gave the pod, from its CRI
+//!    status); the page names the guest's kernel, so it can only have come from the VM;
+//! 6. the pod is removed and nothing of it may remain (processes, mounts, state directory, shim
 //!    socket, network namespace, cgroups);
-//! 6. containerd is stopped and its directory, processes and bridge must be gone.
+//! 7. containerd is stopped and its directory, processes and bridge must be gone.
 //!
 //! Any failure ends the demo with a message and exit status 1, after the same cleanup (dropping
-//! the private containerd removes its pods and everything it made).
+//! the private containerd removes its pods and everything it made). A page that cannot be
+//! fetched is said as such at step 5; the demo still removes the pod and checks the cleanup
+//! (steps 6 and 7), then fails.
 //!
 //! Environment: `MICROVM_KERNEL`, `MICROVM_INITRD` (default: build/vmlinux, build/initrd.cpio),
 //! `MICROVM_DEMO_LOG_LEVEL` (the shim's and agent's, default `info`).
@@ -31,12 +36,17 @@ use microvm_tests::lifecycle::{
     choose_vm_backend, pod_processes, vm_accel, wait_pod_gone, write_shim_config,
     MICROVM_STATE_ROOT,
 };
+use microvm_tests::pod_net::{pod_ip, wait_get};
 
 const SHIM: &str = "containerd-shim-microvm-v1";
 const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// The exit code the demo container ends with.
 const EXIT_CODE: i32 = 7;
-const STEPS: usize = 6;
+const STEPS: usize = 7;
+/// The port the demo pod's httpd serves on (in the pod's network namespace).
+const HTTP_PORT: u16 = 8080;
+/// Bound on fetching the page from the pod's IP (the guest runs under TCG here).
+const FETCH_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn step(n: usize, title: &str) {
     println!("\n== Step {n}/{STEPS}: {title}");
@@ -245,8 +255,70 @@ async fn run() -> Result<()> {
         bail!("the container's output line is missing from its CRI log");
     }
 
-    step(5, "remove the pod; nothing of it may remain");
+    step(
+        5,
+        "the pod's network: a page served in the VM, fetched on the host from the pod's IP",
+    );
+    let page_script = format!(
+        "mkdir -p /www && echo \"hello from busybox httpd in pod demo, kernel $(uname -r)\" > \
+         /www/index.html && exec httpd -f -p {HTTP_PORT} -h /www"
+    );
+    println!("   command: sh -c '{page_script}'");
+    let httpd = cri
+        .create_container(
+            &pod,
+            container_config("httpd", BUSYBOX_IMAGE, &["sh", "-c", &page_script]),
+        )
+        .await
+        .map_err(|e| with_log(&ctrd, "the httpd container was not created", e))?;
+    cri.start_container(&httpd)
+        .await
+        .map_err(|e| with_log(&ctrd, "the httpd container did not start", e))?;
+    let ip = pod_ip(&cri, &pod.id).await?;
+    println!("   pod IP: {ip} (from CNI, in the pod's CRI status)");
+    let url = format!("http://{ip}:{HTTP_PORT}/");
+    println!(
+        "   GET {url} from the host (retried for up to {}s)",
+        FETCH_TIMEOUT.as_secs()
+    );
+    let addr = std::net::SocketAddr::new(ip, HTTP_PORT);
+    let fetched = tokio::task::spawn_blocking(move || wait_get(addr, "/", FETCH_TIMEOUT))
+        .await
+        .context("the fetch thread panicked")?;
+    let network_failure = match fetched {
+        Ok((after, body)) => {
+            let page = String::from_utf8_lossy(&body).trim().to_string();
+            println!("   the page, after {}:", secs(after));
+            for line in page.lines() {
+                println!("     | {line}");
+            }
+            if !page.contains(&format!("kernel {guest_kernel}")) {
+                Some(format!(
+                    "the page fetched from {url} does not name the guest's kernel \
+                     {guest_kernel}: {page:?}"
+                ))
+            } else {
+                println!(
+                    "   served by the VM (it names the guest's kernel {guest_kernel}), reached \
+                     through the pod's IP"
+                );
+                None
+            }
+        }
+        Err(e) => {
+            let why = format!("the page could not be fetched from the pod's IP: {e}");
+            println!("   FAILED: {why}");
+            println!(
+                "   (the pod IP is CNI's address in the pod's network namespace; the page is \
+                 served inside the VM, so the VM must be connected to that namespace)"
+            );
+            Some(why)
+        }
+    };
+
+    step(6, "remove the pod; nothing of it may remain");
     let t = Instant::now();
+    cri.remove_container(&httpd).await?;
     cri.remove_container(&id).await?;
     let removed_container = t.elapsed();
     let t = Instant::now();
@@ -255,7 +327,7 @@ async fn run() -> Result<()> {
     let t = Instant::now();
     cri.remove_pod_sandbox(&pod.id).await?;
     println!(
-        "   RemoveContainer {}, StopPodSandbox {}, RemovePodSandbox {}",
+        "   RemoveContainer (both) {}, StopPodSandbox {}, RemovePodSandbox {}",
         secs(removed_container),
         secs(stopped),
         secs(t.elapsed())
@@ -276,7 +348,7 @@ async fn run() -> Result<()> {
         state.display()
     );
 
-    step(6, "stop containerd");
+    step(7, "stop containerd");
     let dir = ctrd.dir().to_path_buf();
     let socket = ctrd.socket().to_path_buf();
     let bridge = ctrd.bridge_name();
@@ -311,9 +383,16 @@ async fn run() -> Result<()> {
         bail!("left behind by containerd:\n  {}", left.join("\n  "));
     }
     println!("   containerd stopped; its directory, bridge {bridge} and processes are gone");
+    if let Some(why) = network_failure {
+        bail!(
+            "step 5, the pod's network: {why}\n(steps 1-4, 6 and 7 passed: the pod ran in a VM \
+             and left nothing behind)"
+        );
+    }
     println!(
         "\nDemo OK: a busybox pod ran in a {} VM through containerd's CRI; guest kernel {guest_kernel} \
-         (host {host_kernel}); exit code {EXIT_CODE}; nothing left behind.",
+         (host {host_kernel}); exit code {EXIT_CODE}; its page fetched from the pod IP; nothing left \
+         behind.",
         if backend.hypervisor == "kvm" {
             "embedded-VMM"
         } else {
