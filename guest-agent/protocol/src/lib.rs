@@ -73,6 +73,7 @@ mod tests {
             [
                 "/microvm.agent.v1.Agent/Check",
                 "/microvm.agent.v1.Agent/CloseStdin",
+                "/microvm.agent.v1.Agent/ConfigureNetwork",
                 "/microvm.agent.v1.Agent/CreateContainer",
                 "/microvm.agent.v1.Agent/ExecProcess",
                 "/microvm.agent.v1.Agent/GetOomEvent",
