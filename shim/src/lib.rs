@@ -2,10 +2,10 @@
 //!
 //! Modules: [`host_check`] (what this host can run), [`artifacts`] (where the built guest kernel,
 //! initrd and test guests are found), [`guest_vm`] (the seam to a VM backend: the embedded VMM or
-//! [`qemu`]), [`agent_client`] (the guest agent over hybrid vsock), [`test_guest_peer`] (the host
+//! [`qemu`]), [`agent`] (the guest agent over hybrid vsock, async), [`test_guest_peer`] (the host
 //! side of the vsock-echo test guest).
 
-pub mod agent_client;
+pub mod agent;
 pub mod artifacts;
 pub mod config;
 pub mod guest_vm;

@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use shim::agent_client::AgentClient;
+use shim::agent::AgentClient;
 use shim::guest_vm::{new_work_dir, Backend, GuestSpec, GuestVm};
 use shim::{artifacts, host_check};
 
@@ -57,13 +57,19 @@ fn boot_and_check(vcpus: u8, memory_mib: u64) {
     let mut vm = GuestVm::start(Backend::Kvm, &spec).expect("the embedded VMM starts the guest");
     vm.wait_agent_ready(Duration::from_secs(60))
         .expect("the agent comes up");
-    let client = AgentClient::connect(
-        vm.agent_socket(),
-        agent_protocol::AGENT_VSOCK_PORT,
-        Duration::from_secs(60),
-    )
-    .unwrap_or_else(|e| panic!("agent unreachable: {e}\nconsole:\n{}", vm.console_tail(30)));
-    let check = client.check().expect("Check answers");
+    // The agent client is async (ttrpc's tokio client).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let client = rt
+        .block_on(AgentClient::connect(
+            vm.agent_socket(),
+            agent_protocol::AGENT_VSOCK_PORT,
+            Duration::from_secs(60),
+        ))
+        .unwrap_or_else(|e| panic!("agent unreachable: {e}\nconsole:\n{}", vm.console_tail(30)));
+    let check = rt.block_on(client.check()).expect("Check answers");
     assert_eq!(check.online_vcpus, u32::from(vcpus));
     assert_eq!(check.kernel_release, kernel_release(&kernel));
     let mem_mib = check.mem_total_kib / 1024;
@@ -71,7 +77,7 @@ fn boot_and_check(vcpus: u8, memory_mib: u64) {
         mem_mib <= memory_mib && mem_mib + 64 >= memory_mib,
         "MemTotal {mem_mib} MiB for a {memory_mib} MiB guest"
     );
-    client.shutdown().expect("Shutdown answers");
+    rt.block_on(client.shutdown()).expect("Shutdown answers");
     drop(client);
     assert!(
         vm.wait_timeout(Duration::from_secs(30))

@@ -4,6 +4,7 @@
 //! - [`agent`]: the messages (`CheckRequest`, `CheckResponse`, `ShutdownRequest`, ...).
 //! - [`agent_ttrpc`]: the service: the `Agent` server trait with `create_agent`, and the
 //!   synchronous `AgentClient`.
+//! - `agent_ttrpc_async` (feature `async`): the same service's async client, on tokio.
 
 include!(concat!(env!("OUT_DIR"), "/mod.rs"));
 

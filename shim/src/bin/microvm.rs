@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
-use shim::agent_client::AgentClient;
+use shim::agent::AgentClient;
 use shim::guest_vm::{new_work_dir, Backend, GuestSpec, GuestVm};
 use shim::host_check::{self, HostReport};
 use shim::{artifacts, test_guest_peer};
@@ -192,7 +192,18 @@ fn boot_check(
     };
     let mut vm = GuestVm::start(backend, &spec)?;
     vm.wait_agent_ready(timeout)?;
-    let client = AgentClient::connect(vm.agent_socket(), agent_protocol::AGENT_VSOCK_PORT, timeout)
+    // The agent client is async (ttrpc's tokio client): a small runtime for these calls.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting a tokio runtime")?;
+    let socket = vm.agent_socket().to_path_buf();
+    let client = runtime
+        .block_on(AgentClient::connect(
+            &socket,
+            agent_protocol::AGENT_VSOCK_PORT,
+            timeout,
+        ))
         .map_err(|e| {
             anyhow!(
                 "the guest agent did not answer: {e}; last console lines:\n{}",
@@ -200,9 +211,12 @@ fn boot_check(
             )
         })?;
     let boot_ms = vm.started_at().elapsed().as_millis();
-    let check = client.check().context("agent Check")?;
-    client.shutdown().context("agent Shutdown")?;
+    let check = runtime.block_on(client.check()).context("agent Check")?;
+    runtime
+        .block_on(client.shutdown())
+        .context("agent Shutdown")?;
     drop(client);
+    drop(runtime);
     if !vm.wait_timeout(Duration::from_secs(30))? {
         bail!(
             "the guest did not power off within 30 s after Shutdown; last console lines:\n{}",

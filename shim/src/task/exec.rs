@@ -7,7 +7,6 @@
 //! Also here: the waiter shared with the containers' init processes.
 
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
 use containerd_shim_protos::api;
@@ -16,10 +15,10 @@ use containerd_shim_protos::topics;
 use containerd_shim_protos::ttrpc::Code;
 use tokio::sync::watch;
 
-use crate::agent_client::AgentClient;
+use crate::agent::stdio::{self, Attached, Fifos};
+use crate::agent::{AgentClient, AgentError};
 use crate::task::sandbox_vm::{VmExit, UNEXPECTED_EXIT_STATUS};
 use crate::task::service::timestamp;
-use crate::task::stdio::{self, Attached, Fifos};
 use crate::task::task_service::{agent_call, status, Phase, TaskService, TtrpcResult};
 
 /// Each WaitProcess call to the agent is bounded by this; the wait is renewed until the exit.
@@ -39,7 +38,7 @@ pub struct ExecProc {
     /// The stdin copy, until CloseIO.
     pub stdin: Option<stdio::StdinCopy>,
     /// The output copies, until the waiter takes them.
-    outputs: Vec<JoinHandle<()>>,
+    outputs: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl ExecProc {
@@ -121,36 +120,28 @@ impl TaskService {
             stderr: req.stderr.clone(),
             terminal: req.terminal,
         };
-        let (cid, eid, f) = (id.clone(), exec_id.clone(), fifos.clone());
-        let attached = agent_call(
-            format!("adding exec {exec_id} to container {id}"),
-            move || {
-                let request = agent_protocol::agent::ExecProcessRequest {
-                    container_id: cid.clone(),
-                    exec_id: eid.clone(),
-                    process_json: json,
-                    stdio: Some(agent_protocol::agent::Stdio {
-                        terminal: f.terminal,
-                        stdin: !f.stdin.is_empty(),
-                        stdout: !f.stdout.is_empty(),
-                        stderr: !f.stderr.is_empty() && !f.terminal,
-                        ..Default::default()
-                    })
-                    .into(),
-                    ..Default::default()
-                };
-                agent.exec_process(&request)?;
-                stdio::attach(&socket, &cid, &eid, &f).map_err(|e| {
-                    if let Err(r) = agent.remove_exec(&cid, &eid) {
-                        log::warn!("forgetting exec {eid} of {cid} after a failed attach: {r}");
+        let attached = agent_call(format!("adding exec {exec_id} to container {id}"), async {
+            let request = agent_protocol::agent::ExecProcessRequest {
+                container_id: id.clone(),
+                exec_id: exec_id.clone(),
+                process_json: json,
+                stdio: Some(fifos.agent_stdio()).into(),
+                ..Default::default()
+            };
+            agent.exec_process(request).await?;
+            match stdio::attach(&socket, &id, &exec_id, &fifos).await {
+                Ok(attached) => Ok(attached),
+                Err(e) => {
+                    if let Err(r) = agent.remove_exec(&id, &exec_id).await {
+                        log::warn!("forgetting exec {exec_id} of {id} after a failed attach: {r}");
                     }
-                    crate::agent_client::AgentError::BadReply {
+                    Err(AgentError::BadReply {
                         method: "stdio",
                         reason: e.to_string(),
-                    }
-                })
-            },
-        )
+                    })
+                }
+            }
+        })
         .await?;
         {
             let mut inner = self.inner.lock().await;
@@ -194,10 +185,9 @@ impl TaskService {
             }
             inner.pod_agent_and_socket()?.0
         };
-        let (cid, eid, a) = (id.to_string(), exec_id.to_string(), agent.clone());
         let pid = agent_call(
             format!("starting exec {exec_id} in container {id}"),
-            move || a.start_exec(&cid, &eid),
+            agent.start_exec(id, exec_id),
         )
         .await?;
         let outputs = {
@@ -295,10 +285,9 @@ impl TaskService {
         if req.signal == 0 {
             return Ok(());
         }
-        let (id, eid, signal) = (req.id.clone(), req.exec_id.clone(), req.signal);
         agent_call(
             format!("signalling exec {} of container {}", req.exec_id, req.id),
-            move || agent.signal_process(&id, &eid, signal, false),
+            agent.signal_process(&req.id, &req.exec_id, req.signal, false),
         )
         .await
     }
@@ -330,19 +319,17 @@ impl TaskService {
         };
         stdio::release_stdin_fifo(&exec.fifos.stdin);
         if let Some(agent) = agent {
-            let (id, eid) = (req.id.clone(), req.exec_id.clone());
-            let removed = tokio::task::spawn_blocking(move || agent.remove_exec(&id, &eid)).await;
-            match removed {
+            match agent.remove_exec(&req.id, &req.exec_id).await {
                 // An exec whose start failed was already forgotten by the agent.
-                Ok(Err(e)) if exec.phase == Phase::Created => {
+                Err(e) if exec.phase == Phase::Created => {
                     log::debug!("exec {} of {}: {e}", req.exec_id, req.id)
                 }
-                Ok(Err(e)) => log::warn!(
+                Err(e) => log::warn!(
                     "forgetting exec {} of {} in the guest: {e}",
                     req.exec_id,
                     req.id
                 ),
-                _ => {}
+                Ok(()) => {}
             }
         }
         let exit = (*exec.exit.borrow()).unwrap_or(VmExit {
@@ -364,37 +351,31 @@ impl TaskService {
         id: String,
         exec_id: String,
         pid: u32,
-        agent: Arc<AgentClient>,
-        outputs: Vec<JoinHandle<()>>,
+        agent: AgentClient,
+        outputs: Vec<tokio::task::JoinHandle<()>>,
     ) {
         let service = self.clone();
         tokio::spawn(async move {
-            let (wid, weid) = (id.clone(), exec_id.clone());
-            let status = tokio::task::spawn_blocking(move || {
-                let status = loop {
-                    match agent.wait_process(&wid, &weid, WAIT_SLICE) {
-                        Ok((status, _)) => break status,
-                        Err(e) if e.is_timeout() => continue,
-                        Err(e) => {
-                            log::warn!("waiting for process {weid:?} of container {wid}: {e}");
-                            break UNEXPECTED_EXIT_STATUS;
-                        }
+            let status = loop {
+                match agent.wait_process(&id, &exec_id, WAIT_SLICE).await {
+                    Ok((status, _)) => break status,
+                    Err(e) if e.is_timeout() => continue,
+                    Err(e) => {
+                        log::warn!("waiting for process {exec_id:?} of container {id}: {e}");
+                        break UNEXPECTED_EXIT_STATUS;
                     }
-                };
-                let mut copies = Attached {
-                    stdin: None,
-                    outputs,
-                };
-                if !copies.wait_outputs(OUTPUT_DRAIN) {
-                    log::warn!(
-                        "process {weid:?} of container {wid} exited; its output streams are \
-                         still open after {OUTPUT_DRAIN:?} (a child holds them?)"
-                    );
                 }
-                status
-            })
-            .await
-            .unwrap_or(UNEXPECTED_EXIT_STATUS);
+            };
+            let mut copies = Attached {
+                stdin: None,
+                outputs,
+            };
+            if !copies.wait_outputs(OUTPUT_DRAIN).await {
+                log::warn!(
+                    "process {exec_id:?} of container {id} exited; its output streams are \
+                     still open after {OUTPUT_DRAIN:?} (a child holds them?)"
+                );
+            }
             let exit = VmExit {
                 status,
                 at: SystemTime::now(),

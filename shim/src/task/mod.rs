@@ -9,7 +9,6 @@
 //! - [`bundle`]: the container's role (sandbox, app, standalone) from its spec's annotations.
 //! - [`options`]: the handler's `ConfigPath` from the runtime options.
 //! - [`guest_spec`]: an app container's OCI spec rewritten for the guest.
-//! - [`stdio`]: a process's FIFOs copied to and from the agent's stdio streams.
 //! - [`share`]: an app container's rootfs and bind sources mounted into the pod's shared folder.
 //! - [`exec`]: exec processes of app containers, and the waiter reporting process exits.
 //! - [`metrics`]: an app container's cgroup v2 figures as containerd's Stats `Any`.
@@ -23,5 +22,4 @@ pub mod sandbox_vm;
 pub mod service;
 pub mod share;
 pub mod state_dir;
-pub mod stdio;
 pub mod task_service;

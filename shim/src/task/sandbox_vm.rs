@@ -8,12 +8,12 @@
 //! spawned them, so that thread must live exactly as long as the VM.
 
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::{oneshot, watch};
 
-use crate::agent_client::{AgentClient, AgentInfo};
+use crate::agent::{AgentClient, AgentInfo};
 use crate::guest_vm::{Backend, GuestSpec, GuestVm, SharedDir};
 use crate::task::state_dir::StateDir;
 
@@ -58,7 +58,7 @@ enum Command {
 pub struct SandboxVm {
     commands: mpsc::Sender<Command>,
     exited: watch::Receiver<Option<VmExit>>,
-    agent: Arc<AgentClient>,
+    agent: AgentClient,
     agent_socket: PathBuf,
     console_log: PathBuf,
     info: AgentInfo,
@@ -82,8 +82,37 @@ impl SandboxVm {
             .name("microvm-vm".to_string())
             .spawn(move || vm_thread(backend, spec, shared, state, ready_tx, cmd_rx, exit_tx))
             .map_err(SandboxError::Thread)?;
-        let (agent, agent_socket, info, detail) =
-            ready_rx.await.map_err(|_| SandboxError::ThreadGone)??;
+        let (agent_socket, detail) = ready_rx.await.map_err(|_| SandboxError::ThreadGone)??;
+        let connected = async {
+            let agent = AgentClient::connect(
+                &agent_socket,
+                agent_protocol::AGENT_VSOCK_PORT,
+                AGENT_CONNECT_TIMEOUT,
+            )
+            .await?;
+            let info = agent.check().await?;
+            Ok::<_, crate::agent::AgentError>((agent, info))
+        }
+        .await;
+        let (agent, info) = match connected {
+            Ok(pair) => pair,
+            Err(e) => {
+                let tail = crate::guest_vm::console_tail(&console_log, 20);
+                let _ = cmd_tx.send(Command::Stop {
+                    status: UNEXPECTED_EXIT_STATUS,
+                });
+                let mut ended = exit_rx.clone();
+                let _ = ended.wait_for(|e| e.is_some()).await;
+                return Err(SandboxError::Agent(format!(
+                    "{e}; console ends with:\n{tail}"
+                )));
+            }
+        };
+        log::info!(
+            "agent ready: kernel {}, boot id {}",
+            info.kernel_release,
+            info.boot_id
+        );
         Ok(SandboxVm {
             commands: cmd_tx,
             exited: exit_rx,
@@ -116,7 +145,7 @@ impl SandboxVm {
     }
 
     /// The connected agent.
-    pub fn agent(&self) -> Arc<AgentClient> {
+    pub fn agent(&self) -> AgentClient {
         self.agent.clone()
     }
 
@@ -153,7 +182,7 @@ impl SandboxVm {
     }
 }
 
-type Ready = Result<(Arc<AgentClient>, PathBuf, AgentInfo, String), SandboxError>;
+type Ready = Result<(PathBuf, String), SandboxError>;
 
 fn vm_thread(
     backend: Backend,
@@ -176,45 +205,24 @@ fn vm_thread(
         return;
     }
     log::info!("pod VM started: {}", vm.detail());
-    let connected = vm
-        .wait_agent_ready(AGENT_READY_TIMEOUT)
-        .map_err(|e| SandboxError::Agent(e.to_string()))
-        .and_then(|()| {
-            AgentClient::connect(
-                vm.agent_socket(),
-                agent_protocol::AGENT_VSOCK_PORT,
-                AGENT_CONNECT_TIMEOUT,
-            )
-            .and_then(|agent| agent.check().map(|info| (agent, info)))
-            .map_err(|e| {
-                SandboxError::Agent(format!("{e}; console ends with:\n{}", vm.console_tail(20)))
-            })
-        });
-    let agent = match connected {
-        Ok((agent, info)) => {
-            log::info!(
-                "agent ready {:?} after boot start: kernel {}, boot id {}",
-                vm.started_at().elapsed(),
-                info.kernel_release,
-                info.boot_id
-            );
-            let agent = Arc::new(agent);
-            let detail = vm.detail().to_string();
-            let socket = vm.agent_socket().to_path_buf();
-            if ready
-                .send(Ok((agent.clone(), socket, info, detail)))
-                .is_err()
-            {
-                // Nobody waits for this VM any more: it is dropped (stopped) below.
-                return;
-            }
-            agent
-        }
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
+    if let Err(e) = vm.wait_agent_ready(AGENT_READY_TIMEOUT) {
+        let _ = ready.send(Err(SandboxError::Agent(e.to_string())));
+        return;
+    }
+    log::info!(
+        "agent's ready line {:?} after boot start",
+        vm.started_at().elapsed()
+    );
+    if ready
+        .send(Ok((
+            vm.agent_socket().to_path_buf(),
+            vm.detail().to_string(),
+        )))
+        .is_err()
+    {
+        // Nobody waits for this VM any more: it is dropped (stopped) below.
+        return;
+    }
     let status = loop {
         match commands.recv_timeout(WATCH_INTERVAL) {
             Ok(Command::Stop { status }) => {
@@ -244,7 +252,6 @@ fn vm_thread(
             },
         }
     };
-    drop(agent);
     // Dropping the VM removes its work folder.
     drop(vm);
     let _ = state.record_vm_processes(&[]);

@@ -24,7 +24,8 @@ use containerd_shim_protos::topics;
 use containerd_shim_protos::ttrpc::{self, r#async::TtrpcContext, Code};
 use tokio::sync::{watch, Mutex};
 
-use crate::agent_client::AgentClient;
+use crate::agent::stdio::{self, Fifos};
+use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, Hypervisor};
 use crate::guest_vm::{Backend, GuestSpec, SharedDir};
 use crate::task::bundle::{self, Role};
@@ -35,7 +36,6 @@ use crate::task::sandbox_vm::{SandboxVm, VmExit};
 use crate::task::service::timestamp;
 use crate::task::share::{self, RootfsMount};
 use crate::task::state_dir::{state_root, StateDir};
-use crate::task::stdio::{self, Fifos};
 
 pub(crate) type TtrpcResult<T> = Result<T, ttrpc::Error>;
 
@@ -69,7 +69,7 @@ pub(crate) struct Container {
     stdin: Option<stdio::StdinCopy>,
     stdin_fifo: String,
     /// App containers: the init's output copies, until Start hands them to the waiter.
-    outputs: Vec<std::thread::JoinHandle<()>>,
+    outputs: Vec<tokio::task::JoinHandle<()>>,
     /// Exec processes by exec id.
     pub(crate) execs: HashMap<String, ExecProc>,
 }
@@ -129,7 +129,7 @@ impl Inner {
     }
 
     /// The pod VM's agent and its hybrid-vsock socket.
-    pub(crate) fn pod_agent_and_socket(&self) -> TtrpcResult<(Arc<AgentClient>, PathBuf)> {
+    pub(crate) fn pod_agent_and_socket(&self) -> TtrpcResult<(AgentClient, PathBuf)> {
         self.pod
             .as_ref()
             .map(|p| (p.vm.agent(), p.vm.agent_socket().to_path_buf()))
@@ -199,7 +199,7 @@ impl TaskService {
             let agent = self.pod_agent().await?;
             if let Err(e) = agent_call(
                 format!("sandbox {}: setting the pod's sysctls in the guest", req.id),
-                move || agent.set_sysctls(sysctls),
+                agent.set_sysctls(sysctls),
             )
             .await
             {
@@ -394,15 +394,13 @@ impl TaskService {
     }
 
     /// Publishes TaskOOM for each OOM kill the agent reports, until the VM ends.
-    fn spawn_oom_watcher(&self, agent: Arc<AgentClient>, exit: watch::Receiver<Option<VmExit>>) {
+    fn spawn_oom_watcher(&self, agent: AgentClient, exit: watch::Receiver<Option<VmExit>>) {
         let service = self.clone();
         tokio::spawn(async move {
             let mut warned = false;
             while exit.borrow().is_none() {
-                let a = agent.clone();
-                let polled = tokio::task::spawn_blocking(move || a.get_oom_event(OOM_POLL)).await;
-                match polled {
-                    Ok(Ok(Some(container_id))) => {
+                match agent.get_oom_event(OOM_POLL).await {
+                    Ok(Some(container_id)) => {
                         log::info!("container {container_id}: OOM kill in the guest");
                         service
                             .publish(
@@ -414,8 +412,8 @@ impl TaskService {
                             )
                             .await;
                     }
-                    Ok(Ok(None)) => {}
-                    Ok(Err(e)) => {
+                    Ok(None) => {}
+                    Err(e) => {
                         // The agent's connection ends with the VM: a stopping pod is no
                         // failure. Give the VM's end (or the VM's going away) a moment to be
                         // seen before calling it one.
@@ -435,10 +433,6 @@ impl TaskService {
                             warned = true;
                         }
                         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                    }
-                    Err(e) => {
-                        log::warn!("OOM watcher task: {e}");
-                        break;
                     }
                 }
             }
@@ -508,45 +502,46 @@ impl TaskService {
         };
         let id = req.id.clone();
         let bundle_rootfs = PathBuf::from(&req.bundle).join("rootfs");
-        let created = tokio::task::spawn_blocking(
-            move || -> Result<(u32, stdio::Attached), CreateFailure> {
+        let shared = {
+            let state = state.clone();
+            let id = id.clone();
+            tokio::task::spawn_blocking(move || {
                 share::share_container(&state, &id, &rootfs, &bundle_rootfs, &binds)
-                    .map_err(|e| CreateFailure::from(e.to_string()))?;
-                let undo = |failure: CreateFailure| {
-                    let _ = share::unshare_container(&state, &id);
-                    failure
-                };
-                let json = serde_json::to_vec(&spec).map_err(|e| undo(e.to_string().into()))?;
-                let request = agent_protocol::agent::CreateContainerRequest {
-                    container_id: id.clone(),
-                    oci_spec_json: json,
-                    stdio: Some(agent_protocol::agent::Stdio {
-                        terminal: fifos.terminal,
-                        stdin: !fifos.stdin.is_empty(),
-                        stdout: !fifos.stdout.is_empty(),
-                        stderr: !fifos.stderr.is_empty() && !fifos.terminal,
-                        ..Default::default()
-                    })
-                    .into(),
-                    ..Default::default()
-                };
-                let pid = agent.create_container(&request).map_err(|e| {
-                    undo(CreateFailure {
-                        message: e.to_string(),
-                        timed_out: e.is_timeout(),
-                    })
+            })
+            .await
+            .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?
+        };
+        let was_shared = shared.is_ok();
+        let created: Result<(u32, stdio::Attached), CreateFailure> = async {
+            shared.map_err(|e| CreateFailure::from(e.to_string()))?;
+            let json = serde_json::to_vec(&spec).map_err(|e| CreateFailure::from(e.to_string()))?;
+            let request = agent_protocol::agent::CreateContainerRequest {
+                container_id: id.clone(),
+                oci_spec_json: json,
+                stdio: Some(fifos.agent_stdio()).into(),
+                ..Default::default()
+            };
+            let pid = agent
+                .create_container(request)
+                .await
+                .map_err(|e| CreateFailure {
+                    message: e.to_string(),
+                    timed_out: e.is_timeout(),
                 })?;
-                match stdio::attach(&socket, &id, "", &fifos) {
-                    Ok(attached) => Ok((pid, attached)),
-                    Err(e) => {
-                        let _ = agent.remove_container(&id);
-                        Err(undo(e.to_string().into()))
-                    }
+            match stdio::attach(&socket, &id, "", &fifos).await {
+                Ok(attached) => Ok((pid, attached)),
+                Err(e) => {
+                    let _ = agent.remove_container(&id).await;
+                    Err(e.to_string().into())
                 }
-            },
-        )
-        .await
-        .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
+            }
+        }
+        .await;
+        if created.is_err() && was_shared {
+            let (state, id) = (state.clone(), id.clone());
+            let _ =
+                tokio::task::spawn_blocking(move || share::unshare_container(&state, &id)).await;
+        }
         let stdin_fifo = req.stdin.clone();
         let (pid, attached) = created.map_err(|CreateFailure { message, timed_out }| {
             let tail = crate::guest_vm::console_tail(&console, CONSOLE_TAIL_LINES);
@@ -579,7 +574,7 @@ impl TaskService {
         Ok(pid)
     }
 
-    async fn pod_agent(&self) -> TtrpcResult<Arc<AgentClient>> {
+    async fn pod_agent(&self) -> TtrpcResult<AgentClient> {
         Ok(self.inner.lock().await.pod_agent_and_socket()?.0)
     }
 
@@ -607,14 +602,16 @@ impl TaskService {
         };
         let cid = id.to_string();
         if paused {
-            agent_call(format!("pausing container {id}"), move || {
-                agent.pause_container(&cid)
-            })
+            agent_call(
+                format!("pausing container {id}"),
+                agent.pause_container(&cid),
+            )
             .await?;
         } else {
-            agent_call(format!("resuming container {id}"), move || {
-                agent.resume_container(&cid)
-            })
+            agent_call(
+                format!("resuming container {id}"),
+                agent.resume_container(&cid),
+            )
             .await?;
         }
         let mut inner = self.inner.lock().await;
@@ -659,16 +656,12 @@ impl From<String> for CreateFailure {
 /// Console lines quoted when a container operation fails.
 const CONSOLE_TAIL_LINES: usize = 20;
 
-/// Runs one (blocking) agent call off the async runtime; its failure becomes a status naming
-/// `what` was being done.
-pub(crate) async fn agent_call<T, F>(what: String, call: F) -> TtrpcResult<T>
-where
-    T: Send + 'static,
-    F: FnOnce() -> Result<T, crate::agent_client::AgentError> + Send + 'static,
-{
-    tokio::task::spawn_blocking(call)
-        .await
-        .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?
+/// Awaits one agent call; its failure becomes a status naming `what` was being done.
+pub(crate) async fn agent_call<T>(
+    what: String,
+    call: impl std::future::Future<Output = Result<T, AgentError>>,
+) -> TtrpcResult<T> {
+    call.await
         .map_err(|e| status(Code::UNKNOWN, format!("microvm: {what}: {e}")))
 }
 
@@ -780,10 +773,10 @@ impl Task for TaskService {
         };
         if is_app {
             let agent = self.pod_agent().await?;
-            let (id, a) = (req.id.clone(), agent.clone());
-            let pid = agent_call(format!("starting container {}", req.id), move || {
-                a.start_container(&id)
-            })
+            let pid = agent_call(
+                format!("starting container {}", req.id),
+                agent.start_container(&req.id),
+            )
             .await?;
             let outputs = {
                 let mut inner = self.inner.lock().await;
@@ -889,10 +882,10 @@ impl Task for TaskService {
                 .map(|p| p.vm.agent())
                 .ok_or_else(|| not_found(&req.id))?;
             drop(inner);
-            let (id, signal, all) = (req.id.clone(), req.signal, req.all);
-            agent_call(format!("signalling container {}", req.id), move || {
-                agent.signal_process(&id, "", signal, all)
-            })
+            agent_call(
+                format!("signalling container {}", req.id),
+                agent.signal_process(&req.id, "", req.signal, req.all),
+            )
             .await?;
             return Ok(api::Empty::new());
         }
@@ -978,14 +971,13 @@ impl Task for TaskService {
                 inner.pod.as_ref().map(|p| (p.vm.agent(), p.state.clone()))
             };
             if let Some((agent, state)) = pod {
+                if let Err(e) = agent.remove_container(&req.id).await {
+                    log::warn!("removing container {} in the guest: {e}", req.id);
+                }
                 let id = req.id.clone();
-                let undone = tokio::task::spawn_blocking(move || {
-                    if let Err(e) = agent.remove_container(&id) {
-                        log::warn!("removing container {id} in the guest: {e}");
-                    }
-                    share::unshare_container(&state, &id)
-                })
-                .await;
+                let undone =
+                    tokio::task::spawn_blocking(move || share::unshare_container(&state, &id))
+                        .await;
                 if let Ok(Err(e)) = undone {
                     log::warn!("unsharing container {}: {e}", req.id);
                 }
@@ -1033,10 +1025,9 @@ impl Task for TaskService {
         let pids = match agent {
             None => vec![pid],
             Some(agent) => {
-                let id = req.id.clone();
                 agent_call(
                     format!("listing the pids of container {}", req.id),
-                    move || agent.list_pids(&id),
+                    agent.list_pids(&req.id),
                 )
                 .await?
             }
@@ -1076,13 +1067,12 @@ impl Task for TaskService {
             }
             inner.pod_agent_and_socket()?.0
         };
-        let (id, eid, w, h) = (req.id.clone(), req.exec_id.clone(), req.width, req.height);
         agent_call(
             format!(
                 "resizing the terminal of {}",
                 process_name(&req.id, &req.exec_id)
             ),
-            move || agent.resize_pty(&id, &eid, w, h),
+            agent.resize_pty(&req.id, &req.exec_id, req.width, req.height),
         )
         .await?;
         Ok(api::Empty::new())
@@ -1115,24 +1105,24 @@ impl Task for TaskService {
             };
             (copy, agent)
         };
-        let (id, eid) = (req.id.clone(), req.exec_id.clone());
+        // What containerd already wrote goes through first: the copy reads the FIFO until it
+        // is empty, then shuts the stream (the process sees EOF after the last byte). Only a
+        // copy that does not end in time is cut in the agent.
+        if let Some(copy) = copy {
+            if copy.close(STDIN_DRAIN).await {
+                return Ok(api::Empty::new());
+            }
+            log::warn!(
+                "stdin of {}: copy still busy after {STDIN_DRAIN:?}",
+                process_name(&req.id, &req.exec_id)
+            );
+        }
         agent_call(
             format!(
                 "closing the stdin of {}",
                 process_name(&req.id, &req.exec_id)
             ),
-            move || {
-                // What containerd already wrote goes through first: the copy reads the FIFO
-                // until it is empty, then shuts the stream (the process sees EOF after the last
-                // byte). Only a copy that does not end in time is cut in the agent.
-                if let Some(copy) = copy {
-                    if copy.close(STDIN_DRAIN) {
-                        return Ok(());
-                    }
-                    log::warn!("stdin of {id} {eid:?}: copy still busy after {STDIN_DRAIN:?}");
-                }
-                agent.close_stdin(&id, &eid)
-            },
+            agent.close_stdin(&req.id, &req.exec_id),
         )
         .await?;
         Ok(api::Empty::new())
@@ -1166,7 +1156,7 @@ impl Task for TaskService {
                 (inner.pod_agent_and_socket()?.0, String::new(), what)
             }
         };
-        let stats = agent_call(what, move || agent.stats(&agent_id)).await?;
+        let stats = agent_call(what, agent.stats(&agent_id)).await?;
         let any = crate::task::metrics::metrics_any(&stats)
             .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
         Ok(api::StatsResponse {
@@ -1195,10 +1185,9 @@ impl Task for TaskService {
                     format!("microvm: update of {} without resources", req.id),
                 )
             })?;
-        let id = req.id.clone();
         agent_call(
             format!("updating the resources of container {}", req.id),
-            move || agent.update_container(&id, resources),
+            agent.update_container(&req.id, resources),
         )
         .await?;
         Ok(api::Empty::new())
