@@ -59,9 +59,6 @@ pub struct Config {
     pub max_memory_mib: u64,
     /// The shim's log level (error, warn, info, debug, trace).
     pub log_level: String,
-    /// Pod annotations (of those containerd passes through `pod_annotations`) that may change
-    /// the VM, e.g. `microvm.io/vcpus`. Anything not listed is ignored.
-    pub annotation_allow_list: Vec<String>,
     /// QEMU backend settings.
     pub qemu: QemuSettings,
 }
@@ -79,8 +76,8 @@ pub struct QemuSettings {
 impl Default for QemuSettings {
     fn default() -> Self {
         QemuSettings {
-            binary: PathBuf::from("qemu-system-x86_64"),
-            vhost_vsock_binary: crate::qemu::default_vhost_vsock_binary(),
+            binary: PathBuf::from(crate::vm::qemu::DEFAULT_QEMU),
+            vhost_vsock_binary: crate::vm::qemu::default_vhost_vsock_binary(),
         }
     }
 }
@@ -97,7 +94,6 @@ impl Default for Config {
             guest_base_memory_mib: 128,
             max_memory_mib: 64 * 1024,
             log_level: "info".to_string(),
-            annotation_allow_list: Vec::new(),
             qemu: QemuSettings::default(),
         }
     }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use kvm_ioctls::{Cap, Kvm};
 
-use crate::guest_vm::Backend;
+use crate::vm::Backend;
 
 /// The kind of KVM this host offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

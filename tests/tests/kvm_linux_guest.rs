@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use shim::agent::AgentClient;
-use shim::guest_vm::{new_work_dir, Backend, GuestSpec, GuestVm};
+use shim::vm::{new_work_dir, Backend, GuestSpec, GuestVm};
 use shim::{artifacts, host_check};
 
 fn kernel_release(kernel: &std::path::Path) -> String {
@@ -45,15 +45,13 @@ fn artifacts_or_fail() -> (PathBuf, PathBuf) {
 
 fn boot_and_check(vcpus: u8, memory_mib: u64) {
     let (kernel, initrd) = artifacts_or_fail();
-    let spec = GuestSpec {
-        kernel: kernel.clone(),
+    let spec = GuestSpec::new(
+        kernel.clone(),
         initrd,
         vcpus,
         memory_mib,
-        work_dir: new_work_dir("kvm-linux-test"),
-        agent_log_level: None,
-        hostname: None,
-    };
+        new_work_dir("kvm-linux-test"),
+    );
     let mut vm = GuestVm::start(Backend::Kvm, &spec).expect("the embedded VMM starts the guest");
     vm.wait_agent_ready(Duration::from_secs(60))
         .expect("the agent comes up");
@@ -81,7 +79,8 @@ fn boot_and_check(vcpus: u8, memory_mib: u64) {
     drop(client);
     assert!(
         vm.wait_timeout(Duration::from_secs(30))
-            .expect("clean exit"),
+            .expect("clean exit")
+            .is_some(),
         "the VM did not end after Shutdown; console:\n{}",
         vm.console_tail(30)
     );

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use agent_protocol::AGENT_VSOCK_PORT;
 use shim::agent::AgentClient;
-use shim::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuError, QemuVm};
+use shim::vm::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuError, QemuVm};
 
 /// Generous: two TCG guests may boot at once on two loaded cores.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(180);

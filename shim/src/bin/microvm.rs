@@ -19,8 +19,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use shim::agent::AgentClient;
-use shim::guest_vm::{new_work_dir, Backend, GuestSpec, GuestVm};
 use shim::host_check::{self, HostReport};
+use shim::vm::{new_work_dir, Backend, GuestSpec, GuestVm};
 use shim::{artifacts, test_guest_peer};
 
 #[derive(Parser)]
@@ -181,15 +181,7 @@ fn boot_check(
 ) -> Result<ExitCode> {
     let report = host_check::probe(Some(&kernel));
     let backend = backend_for(backend, &report)?;
-    let spec = GuestSpec {
-        kernel,
-        initrd,
-        vcpus,
-        memory_mib,
-        work_dir: new_work_dir("boot"),
-        agent_log_level: None,
-        hostname: None,
-    };
+    let spec = GuestSpec::new(kernel, initrd, vcpus, memory_mib, new_work_dir("boot"));
     let mut vm = GuestVm::start(backend, &spec)?;
     vm.wait_agent_ready(timeout)?;
     // The agent client is async (ttrpc's tokio client): a small runtime for these calls.
@@ -217,7 +209,7 @@ fn boot_check(
         .context("agent Shutdown")?;
     drop(client);
     drop(runtime);
-    if !vm.wait_timeout(Duration::from_secs(30))? {
+    if vm.wait_timeout(Duration::from_secs(30))?.is_none() {
         bail!(
             "the guest did not power off within 30 s after Shutdown; last console lines:\n{}",
             vm.console_tail(15)
@@ -350,7 +342,7 @@ fn run_test_guest(
             .with_context(|| format!("creating {}", work_dir.display()))?;
         let uds = work_dir.join("vsock.sock");
         cfg.vsock = Some(vmm::VsockConfig {
-            guest_cid: shim::guest_vm::GUEST_CID,
+            guest_cid: shim::vm::GUEST_CID,
             uds_path: uds.clone(),
         });
         cfg.cmdline = format!("vsock_echo.bytes={ECHO_BYTES} vsock_echo.host_bytes={ECHO_BYTES}");

@@ -4,7 +4,7 @@
 //! - [`service`]: `start` (spawn or reuse the pod's shim, print its address), `delete`
 //!   (cleanup after a shim that is gone), the daemon's setup.
 //! - [`task_service`]: the task API (Create, Start, Kill, Wait, State, Delete, ...) and events.
-//! - [`sandbox_vm`]: the pod's VM on its own long-lived thread, with a checked agent.
+//! - [`sandbox_vm`]: the pod's VM ([`crate::vm::thread`]) with its checked agent.
 //! - [`state_dir`]: the pod's on-disk state (`/run/microvm/<pod-id>`) and crash cleanup.
 //! - [`bundle`]: the container's role (sandbox, app, standalone) from its spec's annotations.
 //! - [`options`]: the handler's `ConfigPath` from the runtime options.

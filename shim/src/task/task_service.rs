@@ -27,7 +27,6 @@ use tokio::sync::{watch, Mutex};
 use crate::agent::stdio::{self, Fifos};
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, Hypervisor};
-use crate::guest_vm::{Backend, GuestSpec, SharedDir};
 use crate::task::bundle::{self, Role};
 use crate::task::exec::ExecProc;
 use crate::task::guest_spec;
@@ -36,6 +35,7 @@ use crate::task::sandbox_vm::{SandboxVm, VmExit};
 use crate::task::service::timestamp;
 use crate::task::share::{self, RootfsMount};
 use crate::task::state_dir::{state_root, StateDir};
+use crate::vm::{Backend, GuestSpec, QemuPrograms, SharedDir};
 
 pub(crate) type TtrpcResult<T> = Result<T, ttrpc::Error>;
 
@@ -306,16 +306,20 @@ impl TaskService {
         state
             .create(std::process::id())
             .map_err(|e| status(Code::INTERNAL, format!("microvm: {e}")))?;
-        let spec = GuestSpec {
-            kernel: config.kernel.clone(),
-            initrd: config.initrd.clone(),
-            vcpus: size.vcpus,
-            memory_mib: size.memory_mib,
-            work_dir: state.vm_dir(),
-            agent_log_level: Some(config.log_level.clone()),
-            hostname: bundle::read_spec(std::path::Path::new(&req.bundle))
-                .ok()
-                .and_then(|spec| spec["hostname"].as_str().map(str::to_owned)),
+        let mut spec = GuestSpec::new(
+            config.kernel.clone(),
+            config.initrd.clone(),
+            size.vcpus,
+            size.memory_mib,
+            state.vm_dir(),
+        );
+        spec.agent_log_level = Some(config.log_level.clone());
+        spec.hostname = bundle::read_spec(std::path::Path::new(&req.bundle))
+            .ok()
+            .and_then(|spec| spec["hostname"].as_str().map(str::to_owned));
+        spec.qemu = QemuPrograms {
+            qemu: config.qemu.binary.clone(),
+            vhost_vsock: config.qemu.vhost_vsock_binary.clone(),
         };
         log::info!(
             "sandbox {}: booting a {} VM with {} vCPUs, {} MiB",
@@ -332,11 +336,11 @@ impl TaskService {
                 format!("microvm: creating {}: {e}", shared_dir.display()),
             ));
         }
-        let shared = SharedDir {
+        spec.shared = Some(SharedDir {
             tag: crate::task::guest_spec::SHARED_FS_TAG.to_string(),
             host_dir: shared_dir,
-        };
-        let vm = match SandboxVm::boot(backend, spec, Some(shared), state.clone()).await {
+        });
+        let vm = match SandboxVm::boot(backend, spec, state.clone()).await {
             Ok(vm) => vm,
             Err(e) => {
                 if let Err(c) = state.cleanup() {
@@ -480,7 +484,7 @@ impl TaskService {
                 pod.vm.agent(),
                 pod.vm.agent_socket().to_path_buf(),
                 pod.state.clone(),
-                pod.vm.console_tail_source(),
+                pod.vm.console_log().to_path_buf(),
             )
         };
         let binds = guest_spec::rewrite_for_guest(&mut spec, &req.id, std::process::id())
@@ -544,7 +548,7 @@ impl TaskService {
         }
         let stdin_fifo = req.stdin.clone();
         let (pid, attached) = created.map_err(|CreateFailure { message, timed_out }| {
-            let tail = crate::guest_vm::console_tail(&console, CONSOLE_TAIL_LINES);
+            let tail = crate::vm::console_tail(&console, CONSOLE_TAIL_LINES);
             log::warn!(
                 "creating container {} failed: {message}; guest console ends with:\n{tail}",
                 req.id

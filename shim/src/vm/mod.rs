@@ -1,0 +1,525 @@
+//! The seam between the host side and a VM backend (design.md 4): one [`GuestSpec`] says what to
+//! boot, [`Vm`] is the running VM of either backend (the embedded VMM, the product's default, or
+//! [`qemu`] for hosts whose KVM cannot boot a Linux guest), [`GuestVm`] adds what both share (work
+//! folder, console log, agent socket, the agent's ready event), and a VM's end is typed
+//! ([`EndReason`], [`VmEnd`]) instead of a bool. [`thread`] owns a pod's VM on its own thread.
+//!
+//! Kept narrow on purpose: boot from a spec, agent socket, shared directory, stop, wait.
+
+pub mod qemu;
+pub mod ready;
+pub mod thread;
+
+use std::fmt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::time::{Duration, Instant, SystemTime};
+
+use qemu::{Accel, QemuConfig, QemuVm};
+use ready::{ReadyError, ReadyListener};
+
+/// Which VM backend runs the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// The VMM embedded in this process, on /dev/kvm.
+    Kvm,
+    /// Debian's QEMU (`-M microvm`) with vhost-device-vsock; KVM if it can, else TCG.
+    Qemu,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Kvm => "kvm",
+            Backend::Qemu => "qemu",
+        })
+    }
+}
+
+/// Guest CID of every VM (each VM has its own vsock device, so they need not differ).
+pub const GUEST_CID: u32 = 3;
+
+/// The hybrid-vsock socket's name in a VM's work folder (both backends).
+pub const VSOCK_UDS_NAME: &str = "vsock.sock";
+
+/// What to boot. Network interfaces and drives join here as fields of their own when they come
+/// (design.md 4c, 4e); each backend turns the spec into its own devices.
+#[derive(Debug, Clone)]
+pub struct GuestSpec {
+    /// The guest kernel (uncompressed vmlinux ELF).
+    pub kernel: PathBuf,
+    /// The initramfs with the agent as /init.
+    pub initrd: PathBuf,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest memory in MiB.
+    pub memory_mib: u64,
+    /// Private folder for this VM's sockets and console log; created, and removed on drop.
+    pub work_dir: PathBuf,
+    /// The guest agent's log level (error, warn, info, debug, trace), passed on the kernel
+    /// command line as `MICROVM_AGENT_LOG=`; `None` keeps the agent's default (info).
+    pub agent_log_level: Option<String>,
+    /// The guest's hostname (the pod's, from the sandbox spec), passed as `microvm.hostname=`;
+    /// containers share the VM's UTS namespace. A name that is not a valid hostname is dropped.
+    pub hostname: Option<String>,
+    /// A host directory exported over virtio-fs (the pod's shared folder).
+    pub shared: Option<SharedDir>,
+    /// The programs of the QEMU backend (unused by the embedded VMM).
+    pub qemu: QemuPrograms,
+}
+
+/// The programs the QEMU backend runs (the config's `[qemu]` table).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QemuPrograms {
+    /// `qemu-system-x86_64` (looked up on PATH unless a path).
+    pub qemu: PathBuf,
+    /// `vhost-device-vsock`.
+    pub vhost_vsock: PathBuf,
+}
+
+impl Default for QemuPrograms {
+    fn default() -> Self {
+        QemuPrograms {
+            qemu: PathBuf::from(qemu::DEFAULT_QEMU),
+            vhost_vsock: qemu::default_vhost_vsock_binary(),
+        }
+    }
+}
+
+impl GuestSpec {
+    /// A spec with no log level, hostname or share, and the default QEMU programs.
+    pub fn new(
+        kernel: PathBuf,
+        initrd: PathBuf,
+        vcpus: u8,
+        memory_mib: u64,
+        work_dir: PathBuf,
+    ) -> Self {
+        GuestSpec {
+            kernel,
+            initrd,
+            vcpus,
+            memory_mib,
+            work_dir,
+            agent_log_level: None,
+            hostname: None,
+            shared: None,
+            qemu: QemuPrograms::default(),
+        }
+    }
+
+    /// Words this spec adds to the kernel command line.
+    fn cmdline_extra(&self) -> String {
+        let mut words = Vec::new();
+        // Only plain level names and hostnames: nothing a config or a pod spec can smuggle onto
+        // the command line.
+        if let Some(level) = &self.agent_log_level {
+            if !level.is_empty() && level.bytes().all(|b| b.is_ascii_alphabetic()) {
+                words.push(format!("MICROVM_AGENT_LOG={level}"));
+            }
+        }
+        if let Some(name) = &self.hostname {
+            if agent_protocol::is_valid_hostname(name) {
+                words.push(format!("microvm.hostname={name}"));
+            }
+        }
+        words.join(" ")
+    }
+}
+
+/// A host directory exported to the guest over virtio-fs: the embedded VMM's own device, or
+/// virtiofsd under QEMU. The guest mounts it with `mount -t virtiofs <tag> <dir>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedDir {
+    /// The virtio-fs tag (1 to 36 bytes).
+    pub tag: String,
+    /// The host directory.
+    pub host_dir: PathBuf,
+}
+
+/// Why a VM ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndReason {
+    /// Stopped because the host asked (sandbox Kill, Delete, a failed create).
+    Stopped,
+    /// The guest reset or powered off by itself (reboot, a panic with `panic=-1`, the agent's
+    /// Shutdown); under QEMU that is QEMU exiting 0 (`-no-reboot`).
+    GuestReset,
+    /// The backend process ended by itself with this status (QEMU failed or was killed).
+    BackendExited(ExitStatus),
+    /// Watching the VM failed; it was stopped.
+    Lost(String),
+}
+
+impl EndReason {
+    /// The exit status a VM that ended this way reports when nobody asked for one: QEMU's own
+    /// (its code, or 128 + the signal that killed it); 255 where there is no process status
+    /// (a guest reset, a lost VM), as for a process that ended without one.
+    pub fn status(&self) -> u32 {
+        match self {
+            EndReason::BackendExited(s) => match (s.code(), s.signal()) {
+                (Some(code), _) => u32::try_from(code).unwrap_or(UNKNOWN_STATUS),
+                (None, Some(sig)) => 128u32.saturating_add(u32::try_from(sig).unwrap_or(0)),
+                (None, None) => UNKNOWN_STATUS,
+            },
+            EndReason::Stopped | EndReason::GuestReset | EndReason::Lost(_) => UNKNOWN_STATUS,
+        }
+    }
+}
+
+impl fmt::Display for EndReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EndReason::Stopped => f.write_str("stopped by the host"),
+            EndReason::GuestReset => f.write_str("the guest reset or powered off"),
+            EndReason::BackendExited(s) => write!(f, "the VM process exited ({s})"),
+            EndReason::Lost(e) => write!(f, "lost: {e}"),
+        }
+    }
+}
+
+/// The status reported for an end without a process status of its own.
+pub const UNKNOWN_STATUS: u32 = 255;
+
+/// How a VM ended: why, the status its task reports (128 + the signal for a Kill, else
+/// [`EndReason::status`]), and when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmEnd {
+    pub reason: EndReason,
+    pub status: u32,
+    pub at: SystemTime,
+}
+
+/// Errors of starting or running a guest.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestVmError {
+    /// The embedded VMM failed.
+    #[error(transparent)]
+    Vmm(#[from] vmm::VmmError),
+    /// The QEMU backend failed.
+    #[error(transparent)]
+    Qemu(#[from] qemu::QemuError),
+    /// The work folder could not be made.
+    #[error("cannot create the VM's work folder {path}: {source}")]
+    WorkDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The memory size does not fit the backend.
+    #[error("memory of {0} MiB is out of range for this backend")]
+    Memory(u64),
+    /// The agent's ready event did not come.
+    #[error("{source}; last console lines:\n{tail}")]
+    AgentNotReady { source: ReadyError, tail: String },
+}
+
+/// A running VM of either backend. The QEMU variant is boxed: it is twice the size of the
+/// embedded VMM's handle.
+pub enum Vm {
+    Embedded(vmm::VmHandle),
+    Qemu(Box<QemuVm>),
+}
+
+impl Vm {
+    /// Waits up to `timeout` for the guest to end by itself; why, once it has.
+    fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<EndReason>, GuestVmError> {
+        match self {
+            Vm::Embedded(h) => match h.wait_timeout(timeout) {
+                None => Ok(None),
+                Some(Ok(vmm::VmExit::Reset)) => Ok(Some(EndReason::GuestReset)),
+                Some(Ok(vmm::VmExit::Stopped)) => Ok(Some(EndReason::Stopped)),
+                Some(Err(vmm::VmmError::AlreadyWaited)) => Ok(Some(EndReason::Stopped)),
+                Some(Err(e)) => Err(e.into()),
+            },
+            Vm::Qemu(vm) => Ok(vm.wait_timeout(timeout)?.map(|s| {
+                if s.success() {
+                    EndReason::GuestReset
+                } else {
+                    EndReason::BackendExited(s)
+                }
+            })),
+        }
+    }
+
+    /// Stops the guest (bounded) and waits for it to end.
+    fn stop(&mut self) -> Result<(), GuestVmError> {
+        match self {
+            Vm::Embedded(h) => {
+                h.stop();
+                match h.wait() {
+                    Ok(_) | Err(vmm::VmmError::AlreadyWaited) => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            Vm::Qemu(vm) => vm.stop().map(drop).map_err(Into::into),
+        }
+    }
+}
+
+/// A running guest with its files. Dropping it stops the VM and removes its work folder.
+pub struct GuestVm {
+    vm: Vm,
+    backend: Backend,
+    agent_socket: PathBuf,
+    console_log: PathBuf,
+    work_dir: PathBuf,
+    started_at: Instant,
+    detail: String,
+    ready: ReadyListener,
+}
+
+/// The console log a VM started from a spec with `work_dir` writes.
+pub fn console_log_in(work_dir: &Path) -> PathBuf {
+    work_dir.join("console.log")
+}
+
+/// The last `lines` of a console log (empty if it cannot be read), for error messages.
+pub fn console_tail(console_log: &Path, lines: usize) -> String {
+    let text = std::fs::read(console_log).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The kernel command line our Linux guest gets under the embedded VMM (the VMM appends its
+/// virtio-mmio devices). `reboot=k` makes the guest's reboot go through the i8042, which ends
+/// the VM cleanly.
+pub const KVM_GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet";
+
+/// Console lines quoted in errors.
+const TAIL_LINES: usize = 20;
+
+impl GuestVm {
+    /// Boots `spec` with `backend`; the host listens for the agent's ready event before the
+    /// guest runs.
+    pub fn start(backend: Backend, spec: &GuestSpec) -> Result<GuestVm, GuestVmError> {
+        std::fs::create_dir_all(&spec.work_dir).map_err(|source| GuestVmError::WorkDir {
+            path: spec.work_dir.clone(),
+            source,
+        })?;
+        let started_at = Instant::now();
+        let console_log = console_log_in(&spec.work_dir);
+        let uds = spec.work_dir.join(VSOCK_UDS_NAME);
+        let result = ReadyListener::bind(&uds)
+            .map_err(|source| GuestVmError::AgentNotReady {
+                source,
+                tail: String::new(),
+            })
+            .and_then(|ready| {
+                let (vm, detail) = match backend {
+                    Backend::Kvm => Self::start_kvm(spec, &console_log, &uds)?,
+                    Backend::Qemu => Self::start_qemu(spec, &console_log)?,
+                };
+                Ok((vm, detail, ready))
+            });
+        match result {
+            Ok((vm, detail, ready)) => Ok(GuestVm {
+                vm,
+                backend,
+                agent_socket: uds,
+                console_log,
+                work_dir: spec.work_dir.clone(),
+                started_at,
+                detail,
+                ready,
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&spec.work_dir);
+                Err(e)
+            }
+        }
+    }
+
+    fn start_kvm(
+        spec: &GuestSpec,
+        console_log: &Path,
+        uds: &Path,
+    ) -> Result<(Vm, String), GuestVmError> {
+        let mut cfg = vmm::VmConfig::new(&spec.kernel);
+        cfg.vcpus = spec.vcpus;
+        cfg.memory_mib = spec.memory_mib;
+        cfg.initrd = Some(spec.initrd.clone());
+        cfg.cmdline = format!("{KVM_GUEST_CMDLINE} {}", spec.cmdline_extra())
+            .trim_end()
+            .to_string();
+        cfg.serial = vmm::SerialSink::File(console_log.to_path_buf());
+        cfg.vsock = Some(vmm::VsockConfig {
+            guest_cid: GUEST_CID,
+            uds_path: uds.to_path_buf(),
+        });
+        cfg.shared_fs = spec.shared.as_ref().map(|s| vmm::SharedFsConfig {
+            tag: s.tag.clone(),
+            host_dir: s.host_dir.clone(),
+        });
+        let handle = vmm::Vm::start(cfg)?;
+        let detail = format!("embedded vmm on /dev/kvm, {} entry", handle.boot_entry());
+        Ok((Vm::Embedded(handle), detail))
+    }
+
+    fn start_qemu(spec: &GuestSpec, console_log: &Path) -> Result<(Vm, String), GuestVmError> {
+        let memory_mib =
+            u32::try_from(spec.memory_mib).map_err(|_| GuestVmError::Memory(spec.memory_mib))?;
+        let mut cfg = QemuConfig::new(
+            &spec.kernel,
+            &spec.initrd,
+            &spec.qemu.vhost_vsock,
+            &spec.work_dir,
+        );
+        cfg.qemu_binary = spec.qemu.qemu.clone();
+        cfg.vcpus = u32::from(spec.vcpus);
+        cfg.memory_mib = memory_mib;
+        cfg.guest_cid = GUEST_CID;
+        cfg.accel = Accel::Auto;
+        cfg.console_log = Some(console_log.to_path_buf());
+        cfg.cmdline_extra = spec.cmdline_extra();
+        cfg.shared_fs = spec.shared.as_ref().map(|s| qemu::QemuSharedFs {
+            tag: s.tag.clone(),
+            host_dir: s.host_dir.clone(),
+        });
+        let accel = match cfg.accel.resolve() {
+            Accel::Kvm => "KVM",
+            _ => "TCG (software emulation)",
+        };
+        let vm = QemuVm::start(cfg)?;
+        let detail = format!("qemu -M microvm, {accel}");
+        Ok((Vm::Qemu(Box::new(vm)), detail))
+    }
+
+    /// The backend running the guest.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// One line on how the guest runs (backend, accelerator, boot entry).
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// Host processes running this guest besides the current one (QEMU and its helpers; none
+    /// for the embedded VMM, which runs in this process). Recorded so that a cleanup after a
+    /// crash of this process can find them.
+    pub fn pids(&self) -> Vec<u32> {
+        match &self.vm {
+            Vm::Embedded(_) => Vec::new(),
+            Vm::Qemu(vm) => vm.pids(),
+        }
+    }
+
+    /// The hybrid-vsock Unix socket of the guest's vsock device.
+    pub fn agent_socket(&self) -> &Path {
+        &self.agent_socket
+    }
+
+    /// The guest's console log.
+    pub fn console_log(&self) -> &Path {
+        &self.console_log
+    }
+
+    /// When the backend was asked to start.
+    pub fn started_at(&self) -> Instant {
+        self.started_at
+    }
+
+    /// The last `lines` of the console, for error messages.
+    pub fn console_tail(&self, lines: usize) -> String {
+        console_tail(&self.console_log, lines)
+    }
+
+    /// Waits (bounded) for the agent's ready event ([`ready`]); fails at once if the guest ends
+    /// first. Errors carry the console's tail.
+    pub fn wait_agent_ready(&mut self, timeout: Duration) -> Result<(), GuestVmError> {
+        let GuestVm { vm, ready, .. } = self;
+        let mut gone = None;
+        let waited = ready.wait(timeout, || match vm.wait_timeout(Duration::ZERO) {
+            Ok(None) => false,
+            Ok(Some(reason)) => {
+                gone = Some(reason);
+                true
+            }
+            Err(e) => {
+                gone = Some(EndReason::Lost(e.to_string()));
+                true
+            }
+        });
+        if let Some(reason) = gone {
+            log::warn!("the guest ended before its agent was ready: {reason}");
+        }
+        waited.map_err(|source| GuestVmError::AgentNotReady {
+            source,
+            tail: self.console_tail(TAIL_LINES),
+        })
+    }
+
+    /// Waits up to `timeout` for the guest to end by itself; why, once it has.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<EndReason>, GuestVmError> {
+        self.vm.wait_timeout(timeout)
+    }
+
+    /// Stops the guest (bounded) and waits for it to end.
+    pub fn stop(&mut self) -> Result<(), GuestVmError> {
+        self.vm.stop()
+    }
+}
+
+impl Drop for GuestVm {
+    fn drop(&mut self) {
+        let _ = self.stop();
+        let _ = std::fs::remove_dir_all(&self.work_dir);
+    }
+}
+
+/// A fresh private work folder for one VM under the system's temporary folder.
+pub fn new_work_dir(tag: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir().join(format!(
+        "microvm-{tag}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(level: Option<&str>, hostname: Option<&str>) -> GuestSpec {
+        let mut spec = GuestSpec::new("/k".into(), "/i".into(), 1, 128, "/w".into());
+        spec.agent_log_level = level.map(str::to_owned);
+        spec.hostname = hostname.map(str::to_owned);
+        spec
+    }
+
+    #[test]
+    fn cmdline_extra_passes_only_clean_words() {
+        assert_eq!(spec(None, None).cmdline_extra(), "");
+        assert_eq!(
+            spec(Some("debug"), Some("pod-a.example")).cmdline_extra(),
+            "MICROVM_AGENT_LOG=debug microvm.hostname=pod-a.example"
+        );
+        // Anything that could add words or options to the command line is dropped.
+        assert_eq!(
+            spec(Some("info init=/bin/sh"), Some("a b")).cmdline_extra(),
+            ""
+        );
+        assert_eq!(spec(None, Some(&"x".repeat(65))).cmdline_extra(), "");
+        assert_eq!(spec(None, Some("")).cmdline_extra(), "");
+    }
+
+    #[test]
+    fn an_end_reports_the_real_status_or_255() {
+        assert_eq!(
+            EndReason::BackendExited(ExitStatus::from_raw(1 << 8)).status(),
+            1
+        );
+        // Killed by SIGKILL (raw wait status 9): 128 + 9.
+        assert_eq!(
+            EndReason::BackendExited(ExitStatus::from_raw(9)).status(),
+            137
+        );
+        assert_eq!(EndReason::GuestReset.status(), 255);
+        assert_eq!(EndReason::Lost("x".into()).status(), 255);
+    }
+}
