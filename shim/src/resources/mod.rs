@@ -1,0 +1,6 @@
+//! The host resources a pod's VM uses, one module each; each records its undo in the pod's state
+//! directory ([`crate::state`]) before it acts, so a cleanup after a crash finds it.
+//!
+//! - [`storage`]: container rootfs and volume sources in the pod's shared folder (virtio-fs).
+
+pub mod storage;
