@@ -6,8 +6,7 @@
 //! failure to one ttrpc status; [`config`] is the typed config.
 //!
 //! Also here: [`host_check`] (what this host can run), [`artifacts`] (where the built guest
-//! kernel, initrd and test guests are found), [`test_guest_peer`] (the host side of the
-//! vsock-echo test guest).
+//! kernel, initrd and test guests are found: the `microvm` tool's defaults and the tests').
 
 pub mod agent;
 pub mod artifacts;
@@ -18,5 +17,4 @@ pub mod resources;
 pub mod sandbox;
 pub mod state;
 pub mod task;
-pub mod test_guest_peer;
 pub mod vm;
