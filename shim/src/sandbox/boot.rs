@@ -1,7 +1,7 @@
 //! A pod's boot, every step in order ([`Sandbox::boot`]):
 //!
 //! 1. the VM backend: the config's choice, checked against this host (`host_check`);
-//! 2. the VM's size, from the pod's annotations ([`Config::vm_size`]);
+//! 2. the VM's size, from the pod's annotations ([`spec::vm_size`]);
 //! 3. the pod's state directory, which records the shim's pid (crash cleanup starts here);
 //! 4. storage: the pod's shared folder, exported to the guest over virtio-fs;
 //! 5. the guest spec (kernel, initrd, size, hostname, log level, share, QEMU programs);
@@ -55,9 +55,7 @@ impl Sandbox {
         // 1. The backend.
         let backend = choose_backend(id, config)?;
         // 2. The size.
-        let size = config
-            .vm_size(req.annotations)
-            .map_err(SandboxError::Size)?;
+        let size = spec::vm_size(config, req.annotations).map_err(SandboxError::Size)?;
         // 3. The state directory.
         let state = StateDir::new(&state_root(), id).map_err(SandboxError::StateName)?;
         state

@@ -608,9 +608,9 @@ async fn pod_bench() -> Result<()> {
         "info",
     )?;
     // The VM size the shim gives a pod without limits (ours set none), from the config it reads.
-    let vm_size = shim::config::Config::load(Some(&config))
-        .with_context(|| format!("reading back the shim config {}", config.display()))?
-        .vm_size(&HashMap::new())
+    let shim_config = shim::config::Config::load(Some(&config))
+        .with_context(|| format!("reading back the shim config {}", config.display()))?;
+    let vm_size = shim::sandbox::spec::vm_size(&shim_config, &HashMap::new())
         .map_err(|e| anyhow::anyhow!("the VM size of a pod without limits: {e}"))?;
     let ctrd = PrivateContainerd::start(ContainerdOptions {
         extra_path: vec![bin_dir],
