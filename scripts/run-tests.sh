@@ -29,7 +29,7 @@ cargo test --release --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee -
 
 echo "== linux guests on the embedded vmm"
 # The pod suites (containerd + CRI) and the plain boot tests, by cargo target name.
-embedded_targets=(kvm_linux_guest cri_microvm cri_microvm_exec)
+embedded_targets=(kvm_linux_guest cri_microvm cri_microvm_exec cri_microvm_net)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_embedded=$n_linux
 for t in "${embedded_targets[@]:1}"; do
@@ -58,14 +58,16 @@ elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
   mapfile -t exes < <(executables)
   run_lane() {
-    scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-1200}" -- \
+    scripts/lane/run-in-l1.sh --timeout "${MICROVM_LANE_TIMEOUT:-2700}" -- \
       scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded"
   }
   run_lane
   lane_status=$?   # run-in-l1's status: with pipefail, tee's 0 does not hide it
   if [ "$lane_status" -eq 124 ] || [ "$lane_status" -eq 125 ]; then
     # L1 itself froze or died (timers stop: even its own watchdogs never fired). Seen rarely
-    # with TCG's SVM emulation (design.md 3b); said here, and only the second run counts.
+    # with TCG's SVM emulation (design.md 3b). run-in-l1's freeze watch ends a frozen L1 after
+    # about two minutes (with its vCPU state printed) unless an NMI revives it. Said here, and
+    # only the second run counts.
     echo "RETRY: the nested lane's L1 ended without finishing (exit $lane_status); running the lane once more in a fresh L1"
     run_lane
     lane_status=$?

@@ -11,6 +11,7 @@ mod check;
 mod containers;
 mod init;
 mod logger;
+mod network;
 mod oom;
 mod pod_namespace;
 mod power;

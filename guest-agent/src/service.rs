@@ -330,6 +330,23 @@ impl Agent for AgentService {
         Ok(SetSysctlsResponse::new())
     }
 
+    fn configure_network(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ConfigureNetworkRequest,
+    ) -> ttrpc::Result<ConfigureNetworkResponse> {
+        crate::network::configure(&req).map_err(|e| {
+            log::warn!("ConfigureNetwork: {e}");
+            let code = match e {
+                _ if e.is_invalid_request() => Code::INVALID_ARGUMENT,
+                crate::network::NetworkError::NicNotFound { .. } => Code::NOT_FOUND,
+                _ => Code::FAILED_PRECONDITION,
+            };
+            rpc_error(code, e)
+        })?;
+        Ok(ConfigureNetworkResponse::new())
+    }
+
     fn get_oom_event(
         &self,
         ctx: &TtrpcContext,

@@ -11,9 +11,10 @@
 # PATH; its output streams to stdout. --writable DIR shares DIR read-write at the same path, for
 # results that must outlive L1.
 #
-# Exit status: CMD's; 124 when the timeout (default 3600 s) ended L1; 125 when L1 ended without
-# reporting a status (it failed to come up, or crashed: L1's kernel log is printed). L1 always
-# powers off; QEMU is killed on timeout or when this script is interrupted.
+# Exit status: CMD's; 124 when the timeout (default 3600 s) ended L1, or when L1 froze (QEMU used
+# no CPU for 90 s and an NMI did not wake it: its vCPU state is printed first); 125 when L1 ended
+# without reporting a status (it failed to come up, or crashed: L1's kernel log is printed). L1
+# always powers off; QEMU is killed on timeout, freeze, or when this script is interrupted.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -37,7 +38,9 @@ done
 image=$("$here/build-l1.sh")
 lane=$(mktemp -d /tmp/microvm-lane.XXXXXX)
 qemu_pid=
+watch_pid=
 cleanup() {
+  if [ -n "$watch_pid" ]; then kill "$watch_pid" 2>/dev/null || true; fi
   if [ -n "$qemu_pid" ] && kill -0 "$qemu_pid" 2>/dev/null; then
     kill -KILL "$qemu_pid" 2>/dev/null || true
     wait "$qemu_pid" 2>/dev/null || true
@@ -75,6 +78,53 @@ if [ -n "$writable" ]; then
            -device "virtio-9p-pci,fsdev=writable,mount_tag=writable")
 fi
 
+# QEMU's human monitor on a pair of FIFOs ($lane/monitor.in, .out), for the freeze watch below.
+mkfifo "$lane/monitor.in" "$lane/monitor.out"
+
+# CPU time (clock ticks) QEMU's process has used, all threads.
+cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat" 2>/dev/null; }
+
+# The freeze watch. A rare hang of the lane (docs/nested-lane.md) leaves QEMU using no CPU at all:
+# L1's vCPU sits halted and nothing wakes it, not even L1's own timers and watchdogs. An idle L1
+# still uses ~0.4% CPU for its timers, so 90 s without a single clock tick of CPU is a freeze.
+# The watch prints the vCPU's registers and local APIC (what was it waiting for), sends an NMI
+# (a lost wakeup resumes on it, and the run goes on), and kills QEMU if L1 stays frozen.
+watch_freeze() {
+  local pid=$1 last now still=0 tries=0
+  exec 7<>"$lane/monitor.in"
+  cat <"$lane/monitor.out" >>"$lane/monitor.log" &
+  last=$(cpu_ticks "$pid") || return 0
+  while sleep 15; do
+    now=$(cpu_ticks "$pid") || return 0
+    if [ $(( now - last )) -lt 1 ]; then still=$(( still + 15 )); else still=0; fi
+    last=$now
+    [ "$still" -ge 90 ] || continue
+    tries=$(( tries + 1 ))
+    echo "run-in-l1: L1 froze: QEMU used no CPU for ${still} s; L1's vCPU and local APIC:" >&2
+    : >"$lane/monitor.log"
+    printf 'info registers\ninfo lapic\ninfo pic\n' >&7
+    sleep 2
+    # Without the monitor's echo of the commands (escape sequences) and the FPU/vector registers.
+    sed 's/\r//g' "$lane/monitor.log" | grep -av -e $'\e' -e '^(qemu)' -e '^[YX]MM' -e '^FPR' -e '^DR[0-7]' >&2
+    if [ "$tries" -le 2 ]; then
+      echo "run-in-l1: sending L1 an NMI (try $tries)" >&2
+      printf 'nmi\n' >&7
+      sleep 15
+      now=$(cpu_ticks "$pid") || return 0
+      if [ $(( now - last )) -ge 1 ]; then
+        echo "run-in-l1: L1 woke up after the NMI; the run goes on" >&2
+        echo "$tries" >"$lane/revived"
+        last=$now still=0
+        continue
+      fi
+    fi
+    echo "run-in-l1: L1 stays frozen; killing it" >&2
+    touch "$lane/frozen"
+    kill -KILL "$pid" 2>/dev/null
+    return 0
+  done
+}
+
 # One L1 vCPU: with two, TCG's SVM emulation sometimes delivers an interrupt right after VMRUN
 # and guests or L1 crash (design.md 3b).
 echo "run-in-l1: booting L1 ($(cat "$image/package"), ${memory_mib} MiB, 1 vCPU, TCG) for: $*" >&2
@@ -84,17 +134,39 @@ timeout --kill-after=15 "$timeout" qemu-system-x86_64 \
   -kernel "$image/vmlinuz" -initrd "$image/initrd.cpio.gz" \
   -append "console=ttyS0 loglevel=1 edd=off panic=-1 microvm.lane.image=$image microvm.lane.stage2=$here/l1-stage2.sh" \
   -chardev stdio,id=console,signal=off -serial chardev:console \
+  -chardev "pipe,id=monitor,path=$lane/monitor" -mon chardev=monitor,mode=readline \
   "${fsdevs[@]}" < /dev/null &
 qemu_pid=$!
+# QEMU itself is timeout's child.
+for _ in $(seq 50); do
+  child=$(pgrep -P "$qemu_pid" || true)
+  [ -n "$child" ] && break
+  sleep 0.1
+done
+if [ -n "$child" ]; then
+  watch_freeze "$child" &
+  watch_pid=$!
+fi
 set +e
 wait "$qemu_pid"
 qemu_status=$?
 set -e
 qemu_pid=
+if [ -n "$watch_pid" ]; then
+  kill "$watch_pid" 2>/dev/null || true
+  wait "$watch_pid" 2>/dev/null || true
+  watch_pid=
+fi
 
 if [ -s "$lane/status" ]; then
+  [ -s "$lane/revived" ] && echo "run-in-l1: note: L1 froze during this run and resumed after an NMI" >&2
   status=$(cat "$lane/status")
   exit "$status"
+fi
+if [ -e "$lane/frozen" ]; then
+  echo "run-in-l1: L1 froze and was killed (see its vCPU state above)" >&2
+  [ -s "$lane/dmesg" ] && tail -n 40 "$lane/dmesg" >&2
+  exit 124
 fi
 if [ "$qemu_status" -eq 124 ] || [ "$qemu_status" -eq 137 ]; then
   echo "run-in-l1: L1 did not finish within ${timeout} s; it was killed" >&2

@@ -90,6 +90,12 @@ impl StateDir {
         self.path.join("vm")
     }
 
+    /// The pod network's undo record (resources/network.rs): written before the taps and
+    /// filters are made, read by teardown, also from `<shim> delete` after a crash.
+    pub fn network_record(&self) -> PathBuf {
+        self.path.join("network.json")
+    }
+
     /// The folder shared with the guest.
     pub fn shared_dir(&self) -> PathBuf {
         self.path.join("shared")

@@ -119,7 +119,8 @@ static void status_fail(const struct virtio_mmio_dev *dev, struct strbuf *err, c
 	virtio_mmio_write(dev, VIRTIO_MMIO_STATUS, status | VIRTIO_STATUS_FAILED);
 }
 
-int virtio_mmio_negotiate(const struct virtio_mmio_dev *dev, struct strbuf *err)
+int virtio_mmio_negotiate_features(const struct virtio_mmio_dev *dev, u64 want, u64 *accepted,
+				   struct strbuf *err)
 {
 	u32 status;
 	virtio_mmio_write(dev, VIRTIO_MMIO_STATUS, 0);
@@ -136,17 +137,19 @@ int virtio_mmio_negotiate(const struct virtio_mmio_dev *dev, struct strbuf *err)
 	u32 features_lo = virtio_mmio_read(dev, VIRTIO_MMIO_DEVICE_FEATURES);
 	virtio_mmio_write(dev, VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
 	u32 features_hi = virtio_mmio_read(dev, VIRTIO_MMIO_DEVICE_FEATURES);
-	if (!(features_hi & (1u << (VIRTIO_F_VERSION_1 - 32)))) {
+	u64 offered = ((u64)features_hi << 32) | features_lo;
+	if (!(offered & (1ull << VIRTIO_F_VERSION_1))) {
 		sb_reset(err);
 		sb_str(err, "device does not offer VIRTIO_F_VERSION_1 (features ");
-		sb_hex(err, ((u64)features_hi << 32) | features_lo);
+		sb_hex(err, offered);
 		sb_str(err, ")");
 		return -1;
 	}
+	u64 take = (1ull << VIRTIO_F_VERSION_1) | (want & offered);
 	virtio_mmio_write(dev, VIRTIO_MMIO_DRIVER_FEATURES_SEL, 0);
-	virtio_mmio_write(dev, VIRTIO_MMIO_DRIVER_FEATURES, 0);
+	virtio_mmio_write(dev, VIRTIO_MMIO_DRIVER_FEATURES, (u32)take);
 	virtio_mmio_write(dev, VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
-	virtio_mmio_write(dev, VIRTIO_MMIO_DRIVER_FEATURES, 1u << (VIRTIO_F_VERSION_1 - 32));
+	virtio_mmio_write(dev, VIRTIO_MMIO_DRIVER_FEATURES, (u32)(take >> 32));
 
 	status |= VIRTIO_STATUS_FEATURES_OK;
 	virtio_mmio_write(dev, VIRTIO_MMIO_STATUS, status);
@@ -154,7 +157,14 @@ int virtio_mmio_negotiate(const struct virtio_mmio_dev *dev, struct strbuf *err)
 		status_fail(dev, err, "device rejected our features (FEATURES_OK did not stick)");
 		return -1;
 	}
+	if (accepted)
+		*accepted = take;
 	return 0;
+}
+
+int virtio_mmio_negotiate(const struct virtio_mmio_dev *dev, struct strbuf *err)
+{
+	return virtio_mmio_negotiate_features(dev, 0, 0, err);
 }
 
 int virtio_mmio_setup_queue(const struct virtio_mmio_dev *dev, u16 index, u16 want_size,

@@ -107,6 +107,11 @@ int virtio_mmio_find(const char *cmdline, u32 device_id, struct virtio_mmio_dev 
 /* Reset, ACKNOWLEDGE, DRIVER, accept exactly VIRTIO_F_VERSION_1, FEATURES_OK (checked). */
 int virtio_mmio_negotiate(const struct virtio_mmio_dev *dev, struct strbuf *err);
 
+/* The same, also accepting the bits of `want` the device offers; *accepted (if not NULL) gets
+ * what was accepted, VERSION_1 included. */
+int virtio_mmio_negotiate_features(const struct virtio_mmio_dev *dev, u64 want, u64 *accepted,
+				   struct strbuf *err);
+
 /* Sets up queue `index` on `rings` with at most `want_size` entries. */
 int virtio_mmio_setup_queue(const struct virtio_mmio_dev *dev, u16 index, u16 want_size,
 			    struct virtq_rings *rings, struct virtq *vq, struct strbuf *err);

@@ -72,6 +72,23 @@ pub struct ContainerdOptions {
     pub import_images: bool,
     /// Where the image tarballs are built and cached.
     pub image_dir: PathBuf,
+    /// What the pods' CNI network adds to the plain IPv4 bridge.
+    pub cni: CniOptions,
+}
+
+/// The pods' CNI network beyond the default (an IPv4 bridge with host-local IPAM): what the
+/// network tests need, as a cluster's CNI config would have it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CniOptions {
+    /// The MTU the bridge plugin gives the bridge and the pods' interfaces (none: the default).
+    pub mtu: Option<u32>,
+    /// A second, IPv6 range (`fd00:88:<index>::/64`): dual-stack pods.
+    pub ipv6: bool,
+    /// The portmap plugin in the chain (hostPort).
+    pub portmap: bool,
+    /// The bandwidth plugin in the chain (the `kubernetes.io/{ingress,egress}-bandwidth`
+    /// annotations).
+    pub bandwidth: bool,
 }
 
 impl Default for ContainerdOptions {
@@ -83,6 +100,7 @@ impl Default for ContainerdOptions {
             start_timeout: Duration::from_secs(30),
             import_images: true,
             image_dir: images::default_image_dir(),
+            cni: CniOptions::default(),
         }
     }
 }
@@ -142,7 +160,7 @@ impl PrivateContainerd {
         }
         std::fs::write(
             root.join("cni/net.d/10-microvm-test.conflist"),
-            cni_config(root, net_index),
+            cni_config(root, net_index, &opts.cni),
         )
         .map_err(io_err("write the CNI config"))?;
         let config_path = root.join("config.toml");
@@ -605,24 +623,48 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     )
 }
 
-fn cni_config(root: &Path, index: u8) -> String {
+fn cni_config(root: &Path, index: u8, opts: &CniOptions) -> String {
+    let mut ranges = vec![serde_json::json!([{ "subnet": format!("10.88.{index}.0/24") }])];
+    let mut routes = vec![serde_json::json!({ "dst": "0.0.0.0/0" })];
+    if opts.ipv6 {
+        ranges.push(serde_json::json!([{ "subnet": format!("fd00:88:{index}::/64") }]));
+        routes.push(serde_json::json!({ "dst": "::/0" }));
+    }
+    let mut bridge = serde_json::json!({
+        "type": "bridge",
+        "bridge": format!("mvt{index}"),
+        "isGateway": true,
+        // No masquerading: nothing is added to the host's iptables.
+        "ipMasq": false,
+        "hairpinMode": true,
+        "ipam": {
+            "type": "host-local",
+            "ranges": ranges,
+            "routes": routes,
+            "dataDir": root.join("cni/ipam").to_string_lossy(),
+        },
+    });
+    if let Some(mtu) = opts.mtu {
+        bridge["mtu"] = mtu.into();
+    }
+    let mut plugins = vec![bridge];
+    if opts.portmap {
+        // hostPort: DNAT rules in the host's iptables, removed with the pod.
+        plugins.push(serde_json::json!({
+            "type": "portmap",
+            "capabilities": { "portMappings": true },
+        }));
+    }
+    if opts.bandwidth {
+        plugins.push(serde_json::json!({
+            "type": "bandwidth",
+            "capabilities": { "bandwidth": true },
+        }));
+    }
     serde_json::to_string_pretty(&serde_json::json!({
         "cniVersion": "0.4.0",
         "name": format!("microvm-test-{index}"),
-        "plugins": [{
-            "type": "bridge",
-            "bridge": format!("mvt{index}"),
-            "isGateway": true,
-            // No masquerading: nothing is added to the host's iptables.
-            "ipMasq": false,
-            "hairpinMode": true,
-            "ipam": {
-                "type": "host-local",
-                "ranges": [[{ "subnet": format!("10.88.{index}.0/24") }]],
-                "routes": [{ "dst": "0.0.0.0/0" }],
-                "dataDir": root.join("cni/ipam").to_string_lossy(),
-            },
-        }],
+        "plugins": plugins,
     }))
     .unwrap_or_default()
 }
@@ -838,11 +880,40 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }
-        let cni: serde_json::Value = serde_json::from_str(&cni_config(root, 123)).unwrap();
+        let cni: serde_json::Value =
+            serde_json::from_str(&cni_config(root, 123, &CniOptions::default())).unwrap();
         assert_eq!(cni["plugins"][0]["bridge"], "mvt123");
         assert_eq!(
             cni["plugins"][0]["ipam"]["ranges"][0][0]["subnet"],
             "10.88.123.0/24"
         );
+        assert_eq!(cni["plugins"].as_array().map(Vec::len), Some(1));
+        assert!(cni["plugins"][0].get("mtu").is_none());
+    }
+
+    #[test]
+    fn the_network_tests_cni_chain_is_dual_stack_with_mtu_portmap_and_bandwidth() {
+        let root = Path::new("/tmp/microvm-ctrd-x");
+        let opts = CniOptions {
+            mtu: Some(1400),
+            ipv6: true,
+            portmap: true,
+            bandwidth: true,
+        };
+        let cni: serde_json::Value = serde_json::from_str(&cni_config(root, 7, &opts)).unwrap();
+        let plugins = cni["plugins"].as_array().unwrap();
+        let types: Vec<&str> = plugins
+            .iter()
+            .map(|p| p["type"].as_str().unwrap())
+            .collect();
+        assert_eq!(types, ["bridge", "portmap", "bandwidth"]);
+        assert_eq!(plugins[0]["mtu"], 1400);
+        assert_eq!(
+            plugins[0]["ipam"]["ranges"][1][0]["subnet"],
+            "fd00:88:7::/64"
+        );
+        assert_eq!(plugins[0]["ipam"]["routes"][1]["dst"], "::/0");
+        assert_eq!(plugins[1]["capabilities"]["portMappings"], true);
+        assert_eq!(plugins[2]["capabilities"]["bandwidth"], true);
     }
 }

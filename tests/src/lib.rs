@@ -6,4 +6,5 @@ pub mod cri;
 pub mod images;
 pub mod lifecycle;
 pub mod microvm_pods;
+pub mod netns;
 pub mod vsock_peer;

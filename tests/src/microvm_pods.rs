@@ -2,7 +2,7 @@
 //! (tests/tests/cri_microvm*.rs): the shim built as `make build` builds it, its config, the
 //! containerd with the `microvm` handler, and the checks that nothing of a pod remains.
 
-use crate::containerd::{ContainerdOptions, PrivateContainerd};
+use crate::containerd::{CniOptions, ContainerdOptions, PrivateContainerd};
 use crate::cri::{read_cri_log, CriClient, LogLine, Pod};
 use crate::images::PAUSE_IMAGE;
 use k8s_cri::v1::{ContainerConfig, ContainerStatus};
@@ -110,10 +110,16 @@ pub fn write_config_for(dir: &Path, kernel: Option<&Path>, hypervisor: &str) -> 
 }
 
 pub async fn start(config: &Path) -> (PrivateContainerd, CriClient) {
+    start_with_cni(config, CniOptions::default()).await
+}
+
+/// [`start`] with a CNI network beyond the plain IPv4 bridge (the network tests').
+pub async fn start_with_cni(config: &Path, cni: CniOptions) -> (PrivateContainerd, CriClient) {
     require_root();
     let ctrd = PrivateContainerd::start(ContainerdOptions {
         extra_path: vec![shim_bin_dir()],
         microvm_config: Some(config.to_path_buf()),
+        cni,
         ..ContainerdOptions::default()
     })
     .unwrap_or_else(|e| panic!("starting the private containerd: {e}"));

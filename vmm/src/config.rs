@@ -65,6 +65,23 @@ pub struct SharedFsConfig {
     pub host_dir: PathBuf,
 }
 
+/// A virtio-net device on a tap the embedder opened.
+///
+/// The VMM never enters a network namespace: open the tap wherever its frames belong (e.g. with
+/// [`crate::open_tap`] from a thread inside the pod's netns) with
+/// `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR` and pass the descriptor. The VMM sets the vnet header
+/// size, offloads (none) and non-blocking mode itself, and closes the descriptor when the VM ends
+/// (a non-persistent tap then disappears).
+#[derive(Debug)]
+pub struct NetConfig {
+    /// The tap's descriptor.
+    pub tap: std::os::fd::OwnedFd,
+    /// The guest's MAC address (unicast).
+    pub mac: [u8; 6],
+    /// The MTU the guest is told (68..=65535); `None`: the guest's default (1500 for Linux).
+    pub mtu: Option<u16>,
+}
+
 /// How the boot vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BootProtocol {
@@ -91,6 +108,8 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     /// A shared directory (virtio-fs), if any.
     pub shared_fs: Option<SharedFsConfig>,
+    /// Network cards (virtio-net on taps), in the order the guest sees them.
+    pub nets: Vec<NetConfig>,
     pub boot_protocol: BootProtocol,
 }
 
@@ -106,6 +125,7 @@ impl VmConfig {
             serial: SerialSink::Stdout,
             vsock: None,
             shared_fs: None,
+            nets: Vec::new(),
             boot_protocol: BootProtocol::Auto,
         }
     }
@@ -185,6 +205,12 @@ impl VmConfig {
                     )))
                 }
             }
+        }
+        for (i, net) in self.nets.iter().enumerate() {
+            use vmm_devices::virtio::net::{validate_mac, validate_mtu};
+            validate_mac(&net.mac)
+                .and_then(|()| net.mtu.map_or(Ok(()), validate_mtu))
+                .map_err(|e| VmmError::Config(format!("network card {i}: {e}")))?;
         }
         Ok(())
     }
@@ -309,6 +335,32 @@ mod tests {
             uds_path: "/tmp/x.sock".into(),
         });
         assert!(c.validate().unwrap_err().to_string().contains("reserved"));
+    }
+
+    #[test]
+    fn checks_each_network_cards_mac_and_mtu() {
+        let (mut c, _k) = cfg_with_kernel();
+        let fd = || std::os::fd::OwnedFd::from(File::open("/dev/null").unwrap());
+        let net = |mac, mtu| NetConfig {
+            tap: fd(),
+            mac,
+            mtu,
+        };
+        let good = [0x02, 0, 0, 0, 0, 1];
+        c.nets = vec![net(good, None), net(good, Some(68)), net(good, Some(65535))];
+        c.validate().unwrap();
+        c.nets.push(net([0x03, 0, 0, 0, 0, 1], None));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("network card 3") && e.contains("03:00:00:00:00:01 is not a unicast"),
+            "{e}"
+        );
+        c.nets = vec![net([0; 6], Some(1500))];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("network card 0"), "{e}");
+        c.nets = vec![net(good, Some(67))];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("MTU 67 is below the minimum of 68"), "{e}");
     }
 
     #[test]

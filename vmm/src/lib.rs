@@ -21,10 +21,12 @@ pub mod regs;
 mod vcpu;
 mod vm;
 
-pub use config::{BootProtocol, SerialSink, SharedFsConfig, VmConfig, VsockConfig};
+pub use config::{BootProtocol, NetConfig, SerialSink, SharedFsConfig, VmConfig, VsockConfig};
 pub use error::VmmError;
 pub use handle::VmHandle;
 pub use vm::Vm;
+/// Opens a tap for a [`NetConfig`] in the calling thread's network namespace.
+pub use vmm_devices::virtio::net::{open_tap, TapError};
 
 /// How a VM ended without error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

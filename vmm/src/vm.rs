@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use vmm_devices::virtio::fs::VirtioFs;
+use vmm_devices::virtio::net::{Net, Tap};
 use vmm_devices::virtio::vsock::Vsock;
 
 use crate::boot::{self, BootError};
@@ -29,7 +30,7 @@ pub struct Vm;
 
 impl Vm {
     /// Boots a VM from `cfg` and returns its handle once every vCPU thread runs.
-    pub fn start(cfg: VmConfig) -> Result<VmHandle, VmmError> {
+    pub fn start(mut cfg: VmConfig) -> Result<VmHandle, VmmError> {
         let started_at = Instant::now();
         cfg.validate()?;
         install_kick_handler()?;
@@ -61,6 +62,19 @@ impl Vm {
         if let Some(fs) = &cfg.shared_fs {
             let dev = VirtioFs::new(&fs.tag, &fs.host_dir)
                 .map_err(|e| VmmError::Device(format!("virtio-fs {:?}: {e}", fs.tag)))?;
+            devices.attach_virtio_device(&vm, &mem, Arc::new(Mutex::new(dev)))?;
+        }
+        for (i, net) in std::mem::take(&mut cfg.nets).into_iter().enumerate() {
+            let dev = Tap::new(net.tap)
+                .map_err(Into::into)
+                .and_then(|tap| Net::new(tap, net.mac, net.mtu))
+                .map_err(|e| VmmError::Device(format!("virtio-net {i}: {e}")))?;
+            log::debug!(
+                "virtio-net {i}: tap {}, MAC {}, MTU {:?}",
+                dev.backend().name(),
+                vmm_devices::virtio::net::format_mac(&net.mac),
+                net.mtu
+            );
             devices.attach_virtio_device(&vm, &mem, Arc::new(Mutex::new(dev)))?;
         }
 

@@ -380,6 +380,19 @@ impl AgentClient {
         .map(drop)
     }
 
+    /// Gives the guest its network: lo up, and each NIC (found by MAC) the CNI interface's
+    /// name, MTU, addresses and routes.
+    pub async fn configure_network(
+        &self,
+        req: pb::ConfigureNetworkRequest,
+    ) -> Result<(), AgentError> {
+        self.unary("ConfigureNetwork", |rpc, ctx| async move {
+            rpc.configure_network(ctx, &req).await
+        })
+        .await
+        .map(drop)
+    }
+
     /// Forgets an exec process that has exited (or never started).
     pub async fn remove_exec(&self, container_id: &str, exec_id: &str) -> Result<(), AgentError> {
         let req = pb::RemoveExecRequest {

@@ -3,28 +3,36 @@
 //! 1. the VM backend: the config's choice, checked against this host (`host_check`);
 //! 2. the VM's size, from the pod's annotations ([`spec::vm_size`]);
 //! 3. the pod's state directory, which records the shim's pid (crash cleanup starts here);
-//! 4. storage: the pod's shared folder, exported to the guest over virtio-fs;
-//! 5. the guest spec (kernel, initrd, size, hostname, log level, share, QEMU programs);
-//! 6. the VM, on its own thread: started, its host processes recorded, then the agent's ready
+//! 4. the network: a tap per CNI interface in the pod netns the sandbox spec names, redirected
+//!    both ways (`resources::network`, recorded in the state directory before anything is made);
+//! 5. storage: the pod's shared folder, exported to the guest over virtio-fs;
+//! 6. the guest spec (kernel, initrd, size, hostname, log level, share, NICs, QEMU programs);
+//! 7. the VM, on its own thread: started, its host processes recorded, then the agent's ready
 //!    event awaited (`vm::ready`);
-//! 7. the agent: connected and checked;
-//! 8. the pod's sysctls, written in the guest before any container exists.
+//! 8. the agent: connected and checked;
+//! 9. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
+//!    addresses and routes;
+//! 10. the pod's sysctls, written in the guest before any container exists.
 //!
-//! A step that fails undoes the steps before it (the VM stopped, the state directory removed)
-//! and says which step failed. Network, cgroups and devices join as steps of their own here.
+//! A step that fails undoes the steps before it (the VM stopped, then the network and the state
+//! directory released: [`release_host_resources`]) and says which step failed. Cgroups and
+//! devices join as steps of their own here.
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, Hypervisor};
 use crate::host_check;
+use crate::resources::network;
 use crate::state::{state_root, StateDir};
+use crate::task::bundle;
 use crate::vm::thread::{BootError, VmThread};
-use crate::vm::{Backend, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS};
+use crate::vm::{Backend, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS};
 
-use super::{spec, Sandbox, SandboxError};
+use super::{release_host_resources, spec, Sandbox, SandboxError};
 
 /// How long connecting to a ready agent may take.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -61,16 +69,42 @@ impl Sandbox {
         state
             .create(std::process::id())
             .map_err(SandboxError::State)?;
-        // 4. Storage: the shared folder.
+        // 4. The network, in the pod netns containerd ran CNI in.
+        let network = match bundle::network_namespace(req.spec) {
+            Some(netns) => match network::setup(&netns, &state.network_record()).await {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    if let Err(c) = release_host_resources(&state).await {
+                        log::warn!("cleaning up after a failed network setup: {c}");
+                    }
+                    return Err(e.into());
+                }
+            },
+            None => None,
+        };
+        let (nics, network_request) = match network {
+            Some(n) => {
+                let request = network::configure_network_request(n.guest_interfaces());
+                let nics = n.nics.into_iter().map(|nic| GuestNic {
+                    mac: nic.guest.mac.0,
+                    // The kernel's MTU of a CNI interface is at most 65535.
+                    mtu: u16::try_from(nic.guest.mtu).unwrap_or(u16::MAX),
+                    tap: Arc::new(nic.tap.into_owned_fd()),
+                });
+                (nics.collect(), Some(request))
+            }
+            None => (Vec::new(), None),
+        };
+        // 5. Storage: the shared folder.
         let shared_dir = state.shared_dir();
         if let Err(source) = std::fs::create_dir_all(&shared_dir) {
-            let _ = state.cleanup();
+            let _ = release_host_resources(&state).await;
             return Err(SandboxError::SharedDir {
                 path: shared_dir,
                 source,
             });
         }
-        // 5. The guest spec.
+        // 6. The guest spec.
         let mut guest = GuestSpec::new(
             config.kernel.clone(),
             config.initrd.clone(),
@@ -84,6 +118,7 @@ impl Sandbox {
             tag: spec::SHARED_FS_TAG.to_string(),
             host_dir: shared_dir,
         });
+        guest.nics = nics;
         guest.qemu = QemuPrograms {
             qemu: config.qemu.binary.clone(),
             vhost_vsock: config.qemu.vhost_vsock_binary.clone(),
@@ -93,7 +128,7 @@ impl Sandbox {
             size.vcpus,
             size.memory_mib
         );
-        // 6. The VM, up to the agent's ready event.
+        // 7. The VM, up to the agent's ready event.
         let record_in = state.clone();
         let record = Box::new(move |pids: &[u32]| {
             record_in
@@ -103,13 +138,13 @@ impl Sandbox {
         let vm = match VmThread::boot(backend, guest, record).await {
             Ok(vm) => vm,
             Err(e) => {
-                if let Err(c) = state.cleanup() {
+                if let Err(c) = release_host_resources(&state).await {
                     log::warn!("cleaning up after a failed boot: {c}");
                 }
                 return Err(e.into());
             }
         };
-        // 7. The agent.
+        // 8. The agent.
         let (agent, info) = match connect_agent(vm.agent_socket()).await {
             Ok(pair) => pair,
             Err(e) => {
@@ -127,7 +162,17 @@ impl Sandbox {
             info.kernel_release,
             info.boot_id
         );
-        // 8. The pod's sysctls go to the VM's namespaces, which its containers share, before
+        // 9. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
+        if let Some(request) = network_request {
+            if let Err(source) = agent.configure_network(request).await {
+                discard(id, &vm, &state, DISCARDED_STATUS).await;
+                return Err(SandboxError::Agent {
+                    what: format!("sandbox {id}: configuring the pod network in the guest"),
+                    source,
+                });
+            }
+        }
+        // 10. The pod's sysctls go to the VM's namespaces, which its containers share, before
         // any container exists; a sysctl the guest refuses fails the pod, naming it.
         if !req.sysctls.is_empty() {
             if let Err(source) = agent.set_sysctls(req.sysctls).await {
@@ -182,12 +227,11 @@ async fn connect_agent(
     Ok((agent, info))
 }
 
-/// Undoes a boot that failed after the VM started: the VM stopped, the state removed.
+/// Undoes a boot that failed after the VM started: the VM stopped, the host side released.
 async fn discard(id: &str, vm: &VmThread, state: &StateDir, status: u32) {
     vm.stop(status);
     vm.wait().await;
-    let state = state.clone();
-    if let Ok(Err(c)) = tokio::task::spawn_blocking(move || state.cleanup()).await {
+    if let Err(c) = release_host_resources(state).await {
         log::warn!("{id}: cleanup after a failed create: {c}");
     }
 }

@@ -21,6 +21,7 @@ use tokio::sync::watch;
 
 use crate::agent::{AgentClient, AgentError, AgentInfo};
 use crate::config::ConfigError;
+use crate::resources::network::{self, NetworkError};
 use crate::resources::storage::ShareError;
 use crate::state::{StateDir, StateError};
 use crate::vm::thread::{BootError, VmThread};
@@ -45,6 +46,8 @@ pub enum SandboxError {
     StateName(StateError),
     #[error("{0}")]
     State(StateError),
+    #[error("setting up the pod network: {0}")]
+    Network(#[from] NetworkError),
     #[error("creating {path}: {source}")]
     SharedDir {
         path: PathBuf,
@@ -72,7 +75,7 @@ impl SandboxError {
             | SandboxError::Size(_)
             | SandboxError::StateName(_)
             | SandboxError::Spec(_) => Code::INVALID_ARGUMENT,
-            SandboxError::KvmUnusable(_) => Code::FAILED_PRECONDITION,
+            SandboxError::KvmUnusable(_) | SandboxError::Network(_) => Code::FAILED_PRECONDITION,
             SandboxError::State(_) | SandboxError::SharedDir { .. } | SandboxError::Task(_) => {
                 Code::INTERNAL
             }
@@ -135,19 +138,32 @@ impl Sandbox {
         self.vm.stop(status);
     }
 
-    /// Stops the VM if it still runs (reporting `status`), waits for its end and removes the
-    /// pod's state directory (mounts, VM work folder, shared folder). Returns the VM's end.
+    /// Stops the VM if it still runs (reporting `status`), waits for its end and releases the
+    /// pod's host side ([`release_host_resources`]). Returns the VM's end.
     pub async fn teardown(&self, status: u32) -> VmEnd {
         if !self.has_ended() {
             self.vm.stop(status);
         }
         let end = self.vm.wait().await;
-        let state = self.state.clone();
-        match tokio::task::spawn_blocking(move || state.cleanup()).await {
-            Ok(Ok(report)) => log::info!("sandbox {}: cleaned up {report:?}", self.id),
-            Ok(Err(e)) => log::warn!("sandbox {}: cleanup: {e}", self.id),
-            Err(e) => log::warn!("sandbox {}: cleanup task: {e}", self.id),
+        match release_host_resources(&self.state).await {
+            Ok(report) => log::info!("sandbox {}: cleaned up {report}", self.id),
+            Err(e) => log::warn!("sandbox {}: cleanup: {e}", self.id),
         }
         end
     }
+}
+
+/// Undoes the pod's host side after its VM ended (or never started): the pod network (taps and
+/// tc filters in the pod netns, from the state directory's record), then the state directory
+/// (recorded processes, mounts). The same order as `<shim> delete` after a crash.
+pub(crate) async fn release_host_resources(state: &StateDir) -> Result<String, String> {
+    let network = network::teardown(&state.network_record())
+        .await
+        .map_err(|e| format!("tearing down the pod network: {e}"))?;
+    let state = state.clone();
+    let report = tokio::task::spawn_blocking(move || state.cleanup())
+        .await
+        .map_err(|e| format!("cleanup task: {e}"))?
+        .map_err(|e| e.to_string())?;
+    Ok(format!("network {network:?}, {report:?}"))
 }

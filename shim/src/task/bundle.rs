@@ -76,6 +76,19 @@ pub fn read_spec(bundle: &Path) -> Result<serde_json::Value, BundleError> {
 }
 
 /// The spec's `annotations` (string values only).
+/// The path of the pod's network namespace in a sandbox's OCI spec (`linux.namespaces`, the
+/// `network` entry's `path`: where containerd ran CNI); `None` without one.
+pub fn network_namespace(spec: &serde_json::Value) -> Option<std::path::PathBuf> {
+    spec.pointer("/linux/namespaces")?
+        .as_array()?
+        .iter()
+        .find(|ns| ns["type"] == "network")?
+        .get("path")?
+        .as_str()
+        .filter(|p| !p.is_empty())
+        .map(std::path::PathBuf::from)
+}
+
 pub fn annotations(spec: &serde_json::Value) -> HashMap<String, String> {
     spec.get("annotations")
         .and_then(|a| a.as_object())
@@ -132,5 +145,21 @@ mod tests {
         let e = read_spec(dir.path()).unwrap_err().to_string();
         assert!(e.contains("config.json"), "{e}");
         assert!(read_spec(&dir.path().join("nope")).is_err());
+    }
+
+    #[test]
+    fn the_network_namespace_is_the_path_of_the_network_entry() {
+        let spec = serde_json::json!({"linux": {"namespaces": [
+            {"type": "pid"},
+            {"type": "network", "path": "/var/run/netns/cni-1234"},
+            {"type": "ipc"}
+        ]}});
+        assert_eq!(
+            network_namespace(&spec),
+            Some(std::path::PathBuf::from("/var/run/netns/cni-1234"))
+        );
+        let no_path = serde_json::json!({"linux": {"namespaces": [{"type": "network"}]}});
+        assert_eq!(network_namespace(&no_path), None);
+        assert_eq!(network_namespace(&serde_json::json!({})), None);
     }
 }

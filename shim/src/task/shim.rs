@@ -91,6 +91,12 @@ impl Shim for MicrovmShim {
         let address = address.trim();
         let serving = !address.is_empty() && socket_serves(address).await;
         if !serving && !state.shim_alive() {
+            // The pod network first: its record lives in the state directory.
+            crate::resources::network::teardown(&state.network_record())
+                .await
+                .map_err(|e| {
+                    Error::Other(format!("tearing down the network of pod {pod_id}: {e}"))
+                })?;
             state.cleanup().map_err(|e| {
                 Error::Other(format!(
                     "cleaning up pod {pod_id} in {}: {e}",

@@ -11,9 +11,11 @@ pub mod ready;
 pub mod thread;
 
 use std::fmt;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use qemu::{Accel, QemuConfig, QemuVm};
@@ -68,6 +70,17 @@ pub struct GuestSpec {
     pub shared: Option<SharedDir>,
     /// The programs of the QEMU backend (unused by the embedded VMM).
     pub qemu: QemuPrograms,
+    /// Network cards (virtio-net on taps in the pod netns), eth0 first.
+    pub nics: Vec<GuestNic>,
+}
+
+/// A network card of the guest: a tap opened in the pod netns (`IFF_TAP | IFF_NO_PI |
+/// IFF_VNET_HDR`) and the MAC and MTU the guest NIC gets (the CNI interface's).
+#[derive(Debug, Clone)]
+pub struct GuestNic {
+    pub tap: Arc<OwnedFd>,
+    pub mac: [u8; 6],
+    pub mtu: u16,
 }
 
 /// The programs the QEMU backend runs (the config's `[qemu]` table).
@@ -107,6 +120,7 @@ impl GuestSpec {
             hostname: None,
             shared: None,
             qemu: QemuPrograms::default(),
+            nics: Vec::new(),
         }
     }
 
@@ -207,6 +221,9 @@ pub enum GuestVmError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A NIC's tap fd could not be duplicated for the VMM.
+    #[error("cannot duplicate a network card's tap fd: {0}")]
+    Tap(std::io::Error),
     /// The memory size does not fit the backend.
     #[error("memory of {0} MiB is out of range for this backend")]
     Memory(u64),
@@ -353,6 +370,18 @@ impl GuestVm {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
         });
+        for nic in &spec.nics {
+            let tap = nic
+                .tap
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(GuestVmError::Tap)?;
+            cfg.nets.push(vmm::NetConfig {
+                tap,
+                mac: nic.mac,
+                mtu: Some(nic.mtu),
+            });
+        }
         let handle = vmm::Vm::start(cfg)?;
         let detail = format!("embedded vmm on /dev/kvm, {} entry", handle.boot_entry());
         Ok((Vm::Embedded(handle), detail))
@@ -378,6 +407,15 @@ impl GuestVm {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
         });
+        cfg.nics = spec
+            .nics
+            .iter()
+            .map(|n| qemu::QemuNic {
+                tap: n.tap.clone(),
+                mac: n.mac,
+                mtu: n.mtu,
+            })
+            .collect();
         let accel = match cfg.accel.resolve() {
             Accel::Kvm => "KVM",
             _ => "TCG (software emulation)",

@@ -2,13 +2,14 @@
 //! timing words the kernel needs there (its TSC rate, measured on the host).
 
 use std::fs;
+use std::os::fd::RawFd;
 use std::path::Path;
 use std::sync::OnceLock;
 use std::thread;
 use std::time::Duration;
 
 use super::process::VmPaths;
-use super::{Accel, QemuConfig, DEFAULT_HZ};
+use super::{Accel, QemuConfig, DEFAULT_HZ, NIC_FD_BASE};
 
 /// `console=ttyS0 reboot=t panic=-1 tsc_early_khz=… lpj=…` plus the caller's extra.
 ///
@@ -83,10 +84,28 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
         let device = format!("vhost-user-fs-device,chardev=fs0,tag={}", shared.tag);
         push(&["-chardev", &chardev, "-device", &device]);
     }
+    for (i, nic) in cfg.nics.iter().enumerate() {
+        // vhost=off: the kernel's vhost-net would be one more host surface for the guest.
+        let netdev = format!("tap,id=net{i},fd={},vhost=off", NIC_FD_BASE + i as RawFd);
+        let device = format!(
+            "virtio-net-device,netdev=net{i},mac={},host_mtu={}",
+            mac_string(&nic.mac),
+            nic.mtu
+        );
+        push(&["-netdev", &netdev, "-device", &device]);
+    }
     push(&[
         "-serial", &serial, "-kernel", &kernel, "-initrd", &initrd, "-append", cmdline,
     ]);
     args
+}
+
+/// `aa:bb:cc:dd:ee:ff`.
+fn mac_string(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// QEMU option values escape a comma by doubling it.

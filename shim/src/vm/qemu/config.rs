@@ -1,7 +1,9 @@
 //! What a QEMU VM boots and how ([`QemuConfig`]), checked before anything starts.
 
 use std::fs::File;
+use std::os::fd::{OwnedFd, RawFd};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Accel, QemuError};
@@ -38,7 +40,28 @@ pub struct QemuConfig {
     pub shared_fs: Option<QemuSharedFs>,
     /// The virtiofsd binary (default: Debian QEMU's `/usr/lib/qemu/virtiofsd`).
     pub virtiofsd_binary: PathBuf,
+    /// Network cards, in order (eth0 first).
+    pub nics: Vec<QemuNic>,
 }
+
+/// A network card: a virtio-net device on a tap the caller opened in the pod netns.
+#[derive(Debug, Clone)]
+pub struct QemuNic {
+    /// The tap (opened with `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`); QEMU gets a copy as fd
+    /// [`NIC_FD_BASE`] + its index (`-netdev tap,fd=`).
+    pub tap: Arc<OwnedFd>,
+    /// The guest NIC's MAC.
+    pub mac: [u8; 6],
+    /// The guest NIC's MTU (virtio-net's `host_mtu`).
+    pub mtu: u16,
+}
+
+/// The fd number QEMU finds its first NIC's tap at (then one more per NIC): above the few fds
+/// QEMU has open when it parses `-netdev`.
+pub const NIC_FD_BASE: RawFd = 100;
+
+/// At most this many NICs.
+pub const MAX_NICS: usize = 8;
 
 /// A directory the guest mounts with `mount -t virtiofs <tag> <dir>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,11 +97,18 @@ impl QemuConfig {
             console_log: None,
             start_timeout: Duration::from_secs(60),
             shared_fs: None,
+            nics: Vec::new(),
             virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
         }
     }
 
     pub(super) fn validate(&self) -> Result<(), QemuError> {
+        if self.nics.len() > MAX_NICS {
+            return Err(QemuError::InvalidConfig(format!(
+                "{} network cards, at most {MAX_NICS}",
+                self.nics.len()
+            )));
+        }
         if !(1..=255).contains(&self.vcpus) {
             return Err(QemuError::InvalidConfig(format!(
                 "vcpus must be 1..=255, got {}",

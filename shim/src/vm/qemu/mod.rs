@@ -30,8 +30,11 @@ mod process;
 
 pub use cmdline::host_tsc_khz;
 use cmdline::{kernel_cmdline, qemu_args};
-pub use config::{QemuConfig, QemuSharedFs, DEFAULT_VIRTIOFSD};
-use process::{create_file, kill_and_reap, spawn_tied_to_parent, tail_of_file, terminate, VmPaths};
+pub use config::{QemuConfig, QemuNic, QemuSharedFs, DEFAULT_VIRTIOFSD, MAX_NICS, NIC_FD_BASE};
+use process::{
+    create_file, kill_and_reap, pass_nic_fds, spawn_tied_to_parent, tail_of_file, terminate,
+    VmPaths,
+};
 /// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
 /// How often child processes and files are polled while waiting.
@@ -318,6 +321,7 @@ impl QemuVm {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        pass_nic_fds(&mut cmd, &cfg.nics);
         self.qemu = Some(spawn_tied_to_parent(&mut cmd, &cfg.qemu_binary)?);
         Ok(())
     }

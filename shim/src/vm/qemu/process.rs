@@ -3,13 +3,16 @@
 
 use std::fs::{self, File};
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::thread;
 use std::time::Instant;
 
-use super::{QemuConfig, QemuError, MAX_SOCKET_PATH, POLL, TERM_GRACE};
+use super::{
+    QemuConfig, QemuError, QemuNic, MAX_NICS, MAX_SOCKET_PATH, NIC_FD_BASE, POLL, TERM_GRACE,
+};
 
 /// The files of one VM in its work dir.
 #[derive(Debug, Clone)]
@@ -114,6 +117,38 @@ pub(super) fn create_file(path: &Path) -> Result<File, QemuError> {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// Gives the child the NICs' taps as fds [`NIC_FD_BASE`].. (dup2 clears close-on-exec on the
+/// copy only; the shim's own fds stay close-on-exec).
+pub(super) fn pass_nic_fds(cmd: &mut Command, nics: &[QemuNic]) {
+    if nics.is_empty() {
+        return;
+    }
+    let fds: Vec<RawFd> = nics.iter().map(|n| n.tap.as_raw_fd()).collect();
+    // SAFETY: the closure runs in the forked child before exec; dup2 is async-signal-safe, the
+    // source fds are open (the `Arc<OwnedFd>`s in `nics` outlive the spawn) and the vector was
+    // allocated before the fork, so nothing allocates or locks here.
+    unsafe {
+        cmd.pre_exec(move || {
+            // First above the target range (a source may sit where another NIC's copy goes, or
+            // at its own target, where dup2 would keep close-on-exec), then into place.
+            let above = NIC_FD_BASE + MAX_NICS as RawFd;
+            let mut moved = [-1; MAX_NICS];
+            for (slot, fd) in moved.iter_mut().zip(&fds) {
+                *slot = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, above);
+                if *slot < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            for (i, tmp) in moved.iter().take(fds.len()).enumerate() {
+                if libc::dup2(*tmp, NIC_FD_BASE + i as RawFd) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Spawns `cmd` so that the kernel sends it SIGKILL when the spawning thread exits.

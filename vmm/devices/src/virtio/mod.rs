@@ -11,6 +11,7 @@
 
 pub mod fs;
 pub mod mmio;
+pub mod net;
 pub mod queues;
 pub mod vsock;
 
