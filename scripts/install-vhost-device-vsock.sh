@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs vhost-device-vsock (the rust-vmm vhost-user vsock backend, which speaks the same
 # hybrid-vsock Unix-socket protocol as our VMM) into a cache outside the repository, so the
-# QEMU backend (shim/src/qemu.rs) and its tests can use it. Idempotent: skips if present.
+# QEMU backend (shim/src/vm/qemu/) and its tests can use it. Idempotent: skips if present.
 # Prints the binary path as its last line.
 set -euo pipefail
 

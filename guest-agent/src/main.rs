@@ -94,9 +94,17 @@ fn run(pid1: bool) -> anyhow::Result<()> {
     let (shutdown_tx, shutdown_rx) = mpsc::channel();
     let _server = server::start(&address, AgentService::new(shutdown_tx, containers, oom))?;
     let mut stdout = std::io::stdout().lock();
-    writeln!(stdout, "{}", server::ready_line(&address)).context("printing the ready line")?;
+    let ready = server::ready_line(&address);
+    writeln!(stdout, "{ready}").context("printing the ready line")?;
     stdout.flush().context("printing the ready line")?;
     drop(stdout);
+    // The shim waits for this event (design.md 4a), not for the console line.
+    if let Err(e) = server::announce_ready(&address, &ready) {
+        log::warn!(
+            "telling the host the agent is ready (vsock port {}): {e}",
+            agent_protocol::AGENT_READY_PORT
+        );
+    }
 
     // Wait for Shutdown. The service holds the sender for the server's whole life, so this only
     // returns on a request.

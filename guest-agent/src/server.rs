@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use agent_protocol::agent_ttrpc::create_agent;
-use agent_protocol::AGENT_VSOCK_PORT;
+use agent_protocol::{AGENT_READY_PORT, AGENT_VSOCK_PORT};
 
 use crate::service::AgentService;
 
@@ -26,6 +26,34 @@ pub enum ServerError {
         address: String,
         source: ttrpc::Error,
     },
+}
+
+/// Tells the host the server is up: connects to host (CID 2) vsock port [`AGENT_READY_PORT`],
+/// writes `line` and closes. Under hybrid vsock the connection reaches the shim's Unix socket
+/// `<uds>_1026`, where it waits for exactly this event (no host knocks on a booting guest).
+/// Only for a vsock server; an error (no host listening, e.g. a plain `microvm boot` of an old
+/// shim) is the caller's to log, never fatal.
+pub fn announce_ready(address: &str, line: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, VsockAddr};
+
+    if !address.starts_with("vsock://") {
+        return Ok(());
+    }
+    let fd = socket(
+        AddressFamily::Vsock,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    connect(
+        fd.as_raw_fd(),
+        &VsockAddr::new(libc::VMADDR_CID_HOST, AGENT_READY_PORT),
+    )?;
+    let mut stream = std::fs::File::from(fd);
+    stream.write_all(format!("{line}\n").as_bytes())
 }
 
 /// Handler threads per connection: WaitProcess and GetOomEvent each hold one while they block.

@@ -2,25 +2,14 @@
 //! file (`ConfigPath` in the runtime options, else `/etc/microvm/config.toml`). Unknown keys are
 //! errors, so a typo fails the pod with a message instead of being silently ignored.
 //!
-//! Also here: how a pod's VM is sized from the annotations containerd puts on the sandbox
-//! (design.md 3): vCPUs from `io.kubernetes.cri.sandbox-cpu-quota` / `-cpu-period`, memory from
-//! `io.kubernetes.cri.sandbox-memory` plus the guest's own base; the config defaults where the pod
-//! sets no limits.
+//! How a pod's VM is sized from it and the pod's annotations is `sandbox::spec::vm_size`.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
 /// Where the config is read from when the runtime options name none.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/microvm/config.toml";
-
-/// Annotation: the pod's summed CPU quota (microseconds per period).
-pub const ANN_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
-/// Annotation: the CPU period the quota is measured in (microseconds).
-pub const ANN_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
-/// Annotation: the pod's summed memory limit in bytes.
-pub const ANN_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 
 /// Which VM backend runs the pods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -59,9 +48,6 @@ pub struct Config {
     pub max_memory_mib: u64,
     /// The shim's log level (error, warn, info, debug, trace).
     pub log_level: String,
-    /// Pod annotations (of those containerd passes through `pod_annotations`) that may change
-    /// the VM, e.g. `microvm.io/vcpus`. Anything not listed is ignored.
-    pub annotation_allow_list: Vec<String>,
     /// QEMU backend settings.
     pub qemu: QemuSettings,
 }
@@ -79,8 +65,8 @@ pub struct QemuSettings {
 impl Default for QemuSettings {
     fn default() -> Self {
         QemuSettings {
-            binary: PathBuf::from("qemu-system-x86_64"),
-            vhost_vsock_binary: crate::qemu::default_vhost_vsock_binary(),
+            binary: PathBuf::from(crate::vm::qemu::DEFAULT_QEMU),
+            vhost_vsock_binary: crate::vm::qemu::default_vhost_vsock_binary(),
         }
     }
 }
@@ -97,7 +83,6 @@ impl Default for Config {
             guest_base_memory_mib: 128,
             max_memory_mib: 64 * 1024,
             log_level: "info".to_string(),
-            annotation_allow_list: Vec::new(),
             qemu: QemuSettings::default(),
         }
     }
@@ -178,58 +163,11 @@ impl Config {
         }
         Ok(())
     }
-
-    /// The size of a pod's VM from its sandbox annotations.
-    pub fn vm_size(&self, annotations: &HashMap<String, String>) -> Result<VmSize, String> {
-        let num = |key: &str| -> Result<Option<i64>, String> {
-            annotations
-                .get(key)
-                .map(|v| {
-                    v.trim()
-                        .parse::<i64>()
-                        .map_err(|_| format!("annotation {key}={v:?} is not a number"))
-                })
-                .transpose()
-        };
-        let vcpus = match (num(ANN_CPU_QUOTA)?, num(ANN_CPU_PERIOD)?) {
-            (Some(quota), Some(period)) if quota > 0 && period > 0 => {
-                // ceil(quota / period): a pod limited to 1.5 CPUs gets 2 vCPUs.
-                let n = quota.saturating_add(period - 1) / period;
-                u8::try_from(n.min(i64::from(self.max_vcpus))).unwrap_or(self.max_vcpus)
-            }
-            _ => self.default_vcpus,
-        };
-        let memory_mib = match num(ANN_MEMORY)? {
-            Some(bytes) if bytes > 0 => {
-                let mib = (bytes as u64).div_ceil(1 << 20);
-                mib.saturating_add(self.guest_base_memory_mib)
-                    .min(self.max_memory_mib)
-            }
-            _ => self.default_memory_mib,
-        };
-        Ok(VmSize { vcpus, memory_mib })
-    }
-}
-
-/// How big a pod's VM is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VmSize {
-    /// vCPUs.
-    pub vcpus: u8,
-    /// Guest memory in MiB.
-    pub memory_mib: u64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
 
     #[test]
     fn defaults_and_overrides() {
@@ -287,53 +225,5 @@ mod tests {
             .to_string();
         assert!(e.contains("missing.toml"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn sizes_vm_from_annotations() {
-        let c = Config::default();
-        assert_eq!(
-            c.vm_size(&HashMap::new()).unwrap(),
-            VmSize {
-                vcpus: 1,
-                memory_mib: 256
-            }
-        );
-        let s = c
-            .vm_size(&ann(&[
-                (ANN_CPU_QUOTA, "150000"),
-                (ANN_CPU_PERIOD, "100000"),
-                (ANN_MEMORY, "268435456"),
-            ]))
-            .unwrap();
-        assert_eq!(
-            s,
-            VmSize {
-                vcpus: 2,
-                memory_mib: 256 + 128
-            }
-        );
-        // Unlimited (quota -1, memory 0) means the defaults.
-        let s = c
-            .vm_size(&ann(&[
-                (ANN_CPU_QUOTA, "-1"),
-                (ANN_CPU_PERIOD, "100000"),
-                (ANN_MEMORY, "0"),
-            ]))
-            .unwrap();
-        assert_eq!(s.vcpus, 1);
-        assert_eq!(s.memory_mib, 256);
-        // Capped at the maxima.
-        let s = c
-            .vm_size(&ann(&[
-                (ANN_CPU_QUOTA, "100000000"),
-                (ANN_CPU_PERIOD, "1000"),
-                (ANN_MEMORY, "9223372036854775807"),
-            ]))
-            .unwrap();
-        assert_eq!(s.vcpus, 16);
-        assert_eq!(s.memory_mib, 64 * 1024);
-        let e = c.vm_size(&ann(&[(ANN_MEMORY, "lots")])).unwrap_err();
-        assert!(e.contains(ANN_MEMORY), "{e}");
     }
 }

@@ -12,9 +12,7 @@ use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use kvm_ioctls::{Cap, Kvm};
-
-use crate::guest_vm::Backend;
+use crate::vm::Backend;
 
 /// The kind of KVM this host offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -76,18 +74,7 @@ impl fmt::Display for KvmKind {
 /// 7.2 shows as `QEMU TCG CPU version 2.5+`. Under KVM, `-cpu max` shows the host's model instead.
 pub const QEMU_TCG_MODEL_PREFIX: &str = "QEMU TCG CPU version";
 
-/// The KVM capabilities the embedded VMM relies on, with their names for messages.
-pub const REQUIRED_CAPS: &[(Cap, &str)] = &[
-    (Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
-    (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
-    (Cap::Pit2, "KVM_CAP_PIT2"),
-    (Cap::Irqfd, "KVM_CAP_IRQFD"),
-    (Cap::Ioeventfd, "KVM_CAP_IOEVENTFD"),
-    (Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
-    (Cap::SetTssAddr, "KVM_CAP_SET_TSS_ADDR"),
-    (Cap::ImmediateExit, "KVM_CAP_IMMEDIATE_EXIT"),
-    (Cap::MpState, "KVM_CAP_MP_STATE"),
-];
+pub use vmm::capabilities::REQUIRED_CAPS;
 
 /// What the guest kernel is, as far as booting it under this host's KVM goes.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -486,19 +473,18 @@ pub fn probe(kernel: Option<&Path>) -> HostReport {
     let mut missing_caps = Vec::new();
     let mut max_vcpus = None;
     if kind != KvmKind::None {
-        match Kvm::new() {
-            Ok(kvm) => {
-                api_version = Some(kvm.get_api_version());
-                max_vcpus = Some(kvm.get_nr_vcpus());
-                missing_caps = REQUIRED_CAPS
-                    .iter()
-                    .filter(|(cap, _)| !kvm.check_extension(*cap))
-                    .map(|(_, name)| *name)
-                    .collect();
+        match vmm::capabilities::probe() {
+            Ok(caps) => {
+                api_version = Some(caps.api_version);
+                max_vcpus = Some(caps.max_vcpus);
+                missing_caps = caps.missing;
             }
             Err(e) => {
                 kind = KvmKind::None;
-                kvm_reason = format!("cannot open /dev/kvm: {e}");
+                kvm_reason = match e {
+                    vmm::VmmError::Kvm { source, .. } => format!("cannot open /dev/kvm: {source}"),
+                    other => other.to_string(),
+                };
             }
         }
     }

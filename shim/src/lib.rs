@@ -1,16 +1,20 @@
-//! The microvm host side: the `microvm` command-line tool, and next the containerd shim v2.
+//! The microvm host side: the containerd shim v2 (`containerd-shim-microvm-v1`) and the
+//! `microvm` command-line tool. docs/shim.md describes the layout; in short, a request flows
+//! [`task`] (containerd's task API, thin) -> [`sandbox`] (the pod: boot, containers, teardown)
+//! -> [`resources`] (host resources, each recording its undo in [`state`]), [`vm`] (the VM
+//! backends) and [`agent`] (the guest agent over hybrid vsock, async). [`error`] maps every
+//! failure to one ttrpc status; [`config`] is the typed config.
 //!
-//! Modules: [`host_check`] (what this host can run), [`artifacts`] (where the built guest kernel,
-//! initrd and test guests are found), [`guest_vm`] (the seam to a VM backend: the embedded VMM or
-//! [`qemu`]), [`agent_client`] (the guest agent over hybrid vsock), [`test_guest_peer`] (the host
-//! side of the vsock-echo test guest).
+//! Also here: [`host_check`] (what this host can run), [`artifacts`] (where the built guest
+//! kernel, initrd and test guests are found: the `microvm` tool's defaults and the tests').
 
-pub mod agent_client;
+pub mod agent;
 pub mod artifacts;
 pub mod config;
-pub mod guest_vm;
+pub mod error;
 pub mod host_check;
-pub mod qemu;
 pub mod resources;
+pub mod sandbox;
+pub mod state;
 pub mod task;
-pub mod test_guest_peer;
+pub mod vm;

@@ -10,8 +10,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use shim::agent_client::AgentClient;
-use shim::guest_vm::{new_work_dir, Backend, GuestSpec, GuestVm};
+use shim::agent::AgentClient;
+use shim::vm::{new_work_dir, Backend, GuestSpec, GuestVm};
 use shim::{artifacts, host_check};
 
 fn kernel_release(kernel: &std::path::Path) -> String {
@@ -45,26 +45,29 @@ fn artifacts_or_fail() -> (PathBuf, PathBuf) {
 
 fn boot_and_check(vcpus: u8, memory_mib: u64) {
     let (kernel, initrd) = artifacts_or_fail();
-    let spec = GuestSpec {
-        kernel: kernel.clone(),
+    let spec = GuestSpec::new(
+        kernel.clone(),
         initrd,
         vcpus,
         memory_mib,
-        work_dir: new_work_dir("kvm-linux-test"),
-        agent_log_level: None,
-        hostname: None,
-        nics: Vec::new(),
-    };
+        new_work_dir("kvm-linux-test"),
+    );
     let mut vm = GuestVm::start(Backend::Kvm, &spec).expect("the embedded VMM starts the guest");
     vm.wait_agent_ready(Duration::from_secs(60))
         .expect("the agent comes up");
-    let client = AgentClient::connect(
-        vm.agent_socket(),
-        agent_protocol::AGENT_VSOCK_PORT,
-        Duration::from_secs(60),
-    )
-    .unwrap_or_else(|e| panic!("agent unreachable: {e}\nconsole:\n{}", vm.console_tail(30)));
-    let check = client.check().expect("Check answers");
+    // The agent client is async (ttrpc's tokio client).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let client = rt
+        .block_on(AgentClient::connect(
+            vm.agent_socket(),
+            agent_protocol::AGENT_VSOCK_PORT,
+            Duration::from_secs(60),
+        ))
+        .unwrap_or_else(|e| panic!("agent unreachable: {e}\nconsole:\n{}", vm.console_tail(30)));
+    let check = rt.block_on(client.check()).expect("Check answers");
     assert_eq!(check.online_vcpus, u32::from(vcpus));
     assert_eq!(check.kernel_release, kernel_release(&kernel));
     let mem_mib = check.mem_total_kib / 1024;
@@ -72,11 +75,12 @@ fn boot_and_check(vcpus: u8, memory_mib: u64) {
         mem_mib <= memory_mib && mem_mib + 64 >= memory_mib,
         "MemTotal {mem_mib} MiB for a {memory_mib} MiB guest"
     );
-    client.shutdown().expect("Shutdown answers");
+    rt.block_on(client.shutdown()).expect("Shutdown answers");
     drop(client);
     assert!(
         vm.wait_timeout(Duration::from_secs(30))
-            .expect("clean exit"),
+            .expect("clean exit")
+            .is_some(),
         "the VM did not end after Shutdown; console:\n{}",
         vm.console_tail(30)
     );

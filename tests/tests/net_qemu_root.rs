@@ -16,8 +16,8 @@ use agent_protocol::agent::ShutdownRequest;
 use agent_protocol::agent_ttrpc::AgentClient;
 use agent_protocol::AGENT_VSOCK_PORT;
 use microvm_tests::netns::{in_netns, require_root, run, TestNet, POD_MAC};
-use shim::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuNic, QemuVm};
 use shim::resources::network::{self, MacAddr, TeardownOutcome};
+use shim::vm::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuNic, QemuVm};
 
 const AGENT_TIMEOUT: Duration = Duration::from_secs(180);
 const PING_TIMEOUT: Duration = Duration::from_secs(60);
@@ -247,12 +247,17 @@ fn a_guest_configured_from_the_pod_netns_answers_on_the_pods_addresses() {
     let mut vm = QemuVm::start(cfg).expect("start QEMU");
     vm.wait_for_console("microvm-agent: ready", AGENT_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e}\n{}", vm.console_tail(30)));
-    let stream = shim::agent_client::handshake(
-        vm.vsock_uds_path(),
-        AGENT_VSOCK_PORT,
-        Instant::now() + AGENT_TIMEOUT,
-    )
-    .expect("hybrid vsock handshake");
+    // The shim's handshake is async (tokio); this test drives the agent's sync ttrpc client.
+    let stream = rt
+        .block_on(shim::agent::handshake(
+            vm.vsock_uds_path(),
+            AGENT_VSOCK_PORT,
+            tokio::time::Instant::now() + AGENT_TIMEOUT,
+        ))
+        .expect("hybrid vsock handshake")
+        .into_std()
+        .expect("a std stream");
+    stream.set_nonblocking(false).expect("a blocking stream");
     let agent = AgentClient::new(ttrpc::Client::new(stream.into_raw_fd()).expect("ttrpc"));
 
     agent

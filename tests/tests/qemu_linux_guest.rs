@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use agent_protocol::AGENT_VSOCK_PORT;
-use shim::agent_client::AgentClient;
-use shim::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuError, QemuVm};
+use shim::agent::AgentClient;
+use shim::vm::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuError, QemuVm};
 
 /// Generous: two TCG guests may boot at once on two loaded cores.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(180);
@@ -122,7 +122,17 @@ fn boot_check_shutdown(vcpus: u32) {
         .expect("the agent's ready line");
     let ready_at = started.elapsed();
 
-    let agent = AgentClient::connect(vm.vsock_uds_path(), AGENT_VSOCK_PORT, AGENT_TIMEOUT)
+    // The agent client is async (ttrpc's tokio client).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let agent = rt
+        .block_on(AgentClient::connect(
+            vm.vsock_uds_path(),
+            AGENT_VSOCK_PORT,
+            AGENT_TIMEOUT,
+        ))
         .unwrap_or_else(|e| {
             panic!(
                 "agent unreachable: {e}\nconsole:\n{}\nqemu stderr:\n{}",
@@ -130,7 +140,7 @@ fn boot_check_shutdown(vcpus: u32) {
                 vm.qemu_stderr_tail(10)
             )
         });
-    let check = agent.check().expect("Check");
+    let check = rt.block_on(agent.check()).expect("Check");
     let agent_at = started.elapsed();
 
     assert_eq!(check.online_vcpus, vcpus, "online vCPUs");
@@ -145,7 +155,7 @@ fn boot_check_shutdown(vcpus: u32) {
     assert!(!check.agent_version.is_empty());
     assert!(!check.boot_id.is_empty());
 
-    agent.shutdown().expect("Shutdown");
+    rt.block_on(agent.shutdown()).expect("Shutdown");
     let status = vm
         .wait_timeout(EXIT_TIMEOUT)
         .expect("wait for QEMU")

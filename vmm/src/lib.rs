@@ -5,6 +5,7 @@
 //! running KVM_RUN, one device event loop. The guest physical layout is in [`layout`].
 
 pub mod boot;
+pub mod capabilities;
 pub mod config;
 pub mod cpuid;
 pub mod devices;

@@ -4,6 +4,7 @@
 //! - [`agent`]: the messages (`CheckRequest`, `CheckResponse`, `ShutdownRequest`, ...).
 //! - [`agent_ttrpc`]: the service: the `Agent` server trait with `create_agent`, and the
 //!   synchronous `AgentClient`.
+//! - `agent_ttrpc_async` (feature `async`): the same service's async client, on tokio.
 
 include!(concat!(env!("OUT_DIR"), "/mod.rs"));
 
@@ -12,6 +13,16 @@ pub const AGENT_VSOCK_PORT: u32 = 1024;
 
 /// The vsock port of the agent's stdio streams (see [`stdio`]).
 pub const AGENT_STDIO_PORT: u32 = 1025;
+
+/// The host vsock port (CID 2) the agent connects to once its server is up, to say so: the
+/// agent writes its ready line there and closes. Under hybrid vsock (our VMM and
+/// vhost-device-vsock alike) the guest's connection reaches the host's Unix socket
+/// `<uds_path>_1026`, where the shim waits: readiness is an event, no knocking on a booting
+/// guest.
+pub const AGENT_READY_PORT: u32 = 1026;
+
+/// What the agent's ready line starts with (on the console and on [`AGENT_READY_PORT`]).
+pub const AGENT_READY_PREFIX: &str = "microvm-agent: ready";
 
 /// The virtio-fs tag under which the host exports the pod's shared directory (container rootfs
 /// and bind-mount sources).

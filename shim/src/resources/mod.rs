@@ -1,1 +1,9 @@
+//! The host resources a pod's VM uses, one module each; each records its undo in the pod's state
+//! directory ([`crate::state`]) before it acts, so a cleanup after a crash finds it.
+//!
+//! - [`storage`]: container rootfs and volume sources in the pod's shared folder (virtio-fs).
+//! - [`network`]: the pod network's host side (a tap per CNI interface, tc redirects both ways,
+//!   in the pod netns), recorded in `network.json`.
+
 pub mod network;
+pub mod storage;

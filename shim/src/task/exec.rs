@@ -1,74 +1,30 @@
 //! Exec processes of app containers (`ctr task exec`, CRI ExecSync/Exec): Exec registers the
 //! OCI process with the agent and attaches its stdio FIFOs to the agent's stdio streams (the
 //! agent accepts streams before the start); Start runs it (a missing binary fails here, with the
-//! agent's error naming it); a waiter reports its exit (TaskExit with the exec id) once its
-//! output reached containerd; Delete forgets it in the agent too.
-//!
-//! Also here: the waiter shared with the containers' init processes.
-
-use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime};
+//! agent's error naming it); a watcher reports its exit (TaskExit with the exec id) once its
+//! output reached containerd ([`super::events::watch_process_exit`]); Delete forgets it in the
+//! agent too.
 
 use containerd_shim_protos::api;
-use containerd_shim_protos::events::task::{TaskExecAdded, TaskExecStarted, TaskExit};
+use containerd_shim_protos::events::task::{TaskExecAdded, TaskExecStarted};
 use containerd_shim_protos::topics;
-use containerd_shim_protos::ttrpc::Code;
-use tokio::sync::watch;
 
-use crate::agent_client::AgentClient;
-use crate::task::sandbox_vm::{VmExit, UNEXPECTED_EXIT_STATUS};
-use crate::task::service::timestamp;
-use crate::task::stdio::{self, Attached, Fifos};
-use crate::task::task_service::{agent_call, status, Phase, TaskService, TtrpcResult};
+use crate::agent::stdio::{self, Fifos};
+use crate::agent::AgentError;
+use crate::error::{Error, Result};
+use crate::task::container::exec_not_found;
+use crate::task::events;
+use crate::task::process::{Exit, Process, State};
+use crate::task::service::{set_status, TaskService};
 
-/// Each WaitProcess call to the agent is bounded by this; the wait is renewed until the exit.
-const WAIT_SLICE: Duration = Duration::from_secs(3600);
-/// How long an exit report waits for the process's output to reach containerd.
-const OUTPUT_DRAIN: Duration = Duration::from_secs(5);
 /// Largest OCI process JSON accepted from containerd.
 const MAX_PROCESS_JSON: usize = 1 << 20;
-
-/// One exec process of an app container, as the shim tracks it.
-pub struct ExecProc {
-    pub fifos: Fifos,
-    pub pid: u32,
-    pub phase: Phase,
-    pub exit: watch::Receiver<Option<VmExit>>,
-    exit_tx: Arc<watch::Sender<Option<VmExit>>>,
-    /// The stdin copy, until CloseIO.
-    pub stdin: Option<stdio::StdinCopy>,
-    /// The output copies, until the waiter takes them.
-    outputs: Vec<JoinHandle<()>>,
-}
-
-impl ExecProc {
-    fn new(fifos: Fifos, attached: Attached) -> Self {
-        let (tx, rx) = watch::channel(None);
-        ExecProc {
-            fifos,
-            pid: 0,
-            phase: Phase::Created,
-            exit: rx,
-            exit_tx: Arc::new(tx),
-            stdin: attached.stdin,
-            outputs: attached.outputs,
-        }
-    }
-}
-
-fn exec_not_found(id: &str, exec_id: &str) -> containerd_shim_protos::ttrpc::Error {
-    status(
-        Code::NOT_FOUND,
-        format!("microvm: exec {exec_id} of container {id} not found"),
-    )
-}
 
 /// The OCI process JSON containerd sends in the Exec's `spec` Any (typeurl marshals the Go
 /// `specs.Process` as JSON), checked to be a JSON object of bounded size.
 pub fn process_json(
     spec: Option<&containerd_shim_protos::protobuf::well_known_types::any::Any>,
-) -> Result<Vec<u8>, String> {
+) -> std::result::Result<Vec<u8>, String> {
     let any = spec.ok_or("the exec request has no process spec")?;
     if any.value.len() > MAX_PROCESS_JSON {
         return Err(format!(
@@ -90,30 +46,24 @@ pub fn process_json(
 
 impl TaskService {
     /// Exec: registers the process in the agent, attaches its stdio, publishes TaskExecAdded.
-    pub(super) async fn exec_add(&self, req: &api::ExecProcessRequest) -> TtrpcResult<()> {
+    pub(super) async fn exec_add(&self, req: &api::ExecProcessRequest) -> Result<()> {
         let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
-        let json = process_json(req.spec.as_ref()).map_err(|e| {
-            status(
-                Code::INVALID_ARGUMENT,
-                format!("microvm: exec {exec_id}: {e}"),
-            )
-        })?;
-        let (agent, socket) = {
+        let json = process_json(req.spec.as_ref())
+            .map_err(|e| Error::InvalidArgument(format!("exec {exec_id}: {e}")))?;
+        let sandbox = {
             let inner = self.inner.lock().await;
             let c = inner.app(&id)?;
-            if c.phase == Phase::Stopped || c.exit.borrow().is_some() {
-                return Err(status(
-                    Code::FAILED_PRECONDITION,
-                    format!("microvm: container {id} has stopped; cannot exec {exec_id}"),
-                ));
+            if c.init.exit().is_some() {
+                return Err(Error::FailedPrecondition(format!(
+                    "container {id} has stopped; cannot exec {exec_id}"
+                )));
             }
-            if c.execs.contains_key(&exec_id) {
-                return Err(status(
-                    Code::ALREADY_EXISTS,
-                    format!("microvm: exec {exec_id} of container {id} exists"),
-                ));
+            if c.execs().is_some_and(|e| e.contains_key(&exec_id)) {
+                return Err(Error::AlreadyExists(format!(
+                    "exec {exec_id} of container {id} exists"
+                )));
             }
-            inner.pod_agent_and_socket()?
+            inner.sandbox()?
         };
         let fifos = Fifos {
             stdin: req.stdin.clone(),
@@ -121,115 +71,113 @@ impl TaskService {
             stderr: req.stderr.clone(),
             terminal: req.terminal,
         };
-        let (cid, eid, f) = (id.clone(), exec_id.clone(), fifos.clone());
-        let attached = agent_call(
-            format!("adding exec {exec_id} to container {id}"),
-            move || {
-                let request = agent_protocol::agent::ExecProcessRequest {
-                    container_id: cid.clone(),
-                    exec_id: eid.clone(),
-                    process_json: json,
-                    stdio: Some(agent_protocol::agent::Stdio {
-                        terminal: f.terminal,
-                        stdin: !f.stdin.is_empty(),
-                        stdout: !f.stdout.is_empty(),
-                        stderr: !f.stderr.is_empty() && !f.terminal,
-                        ..Default::default()
-                    })
-                    .into(),
-                    ..Default::default()
-                };
-                agent.exec_process(&request)?;
-                stdio::attach(&socket, &cid, &eid, &f).map_err(|e| {
-                    if let Err(r) = agent.remove_exec(&cid, &eid) {
-                        log::warn!("forgetting exec {eid} of {cid} after a failed attach: {r}");
+        let agent = sandbox.agent();
+        let added = async {
+            let request = agent_protocol::agent::ExecProcessRequest {
+                container_id: id.clone(),
+                exec_id: exec_id.clone(),
+                process_json: json,
+                stdio: Some(fifos.agent_stdio()).into(),
+                ..Default::default()
+            };
+            agent.exec_process(request).await?;
+            match stdio::attach(sandbox.agent_socket(), &id, &exec_id, &fifos).await {
+                Ok(attached) => Ok(attached),
+                Err(e) => {
+                    if let Err(r) = agent.remove_exec(&id, &exec_id).await {
+                        log::warn!("forgetting exec {exec_id} of {id} after a failed attach: {r}");
                     }
-                    crate::agent_client::AgentError::BadReply {
+                    Err(AgentError::BadReply {
                         method: "stdio",
                         reason: e.to_string(),
-                    }
-                })
-            },
-        )
-        .await?;
+                    })
+                }
+            }
+        };
+        let attached = added.await.map_err(Error::agent(format!(
+            "adding exec {exec_id} to container {id}"
+        )))?;
         {
             let mut inner = self.inner.lock().await;
-            match inner.containers.get_mut(&id) {
-                Some(c) => {
-                    c.execs
-                        .insert(exec_id.clone(), ExecProc::new(fifos, attached));
+            match inner.map.get_mut(&id).and_then(|c| c.execs_mut()) {
+                Some(execs) => {
+                    execs.insert(exec_id.clone(), Process::new(0, fifos, attached));
                 }
                 None => {
                     // The container was deleted meanwhile: nothing will start this exec.
                     stdio::release_stdin_fifo(&fifos.stdin);
-                    return Err(status(
-                        Code::NOT_FOUND,
-                        format!("microvm: container {id} was deleted during exec {exec_id}"),
-                    ));
+                    return Err(Error::NotFound(format!(
+                        "container {id} was deleted during exec {exec_id}"
+                    )));
                 }
             }
         }
-        self.publish(
-            topics::TASK_EXEC_ADDED_EVENT_TOPIC,
-            Box::new(TaskExecAdded {
-                container_id: id,
-                exec_id,
-                ..Default::default()
-            }),
-        )
-        .await;
+        self.events
+            .publish(
+                topics::TASK_EXEC_ADDED_EVENT_TOPIC,
+                Box::new(TaskExecAdded {
+                    container_id: id,
+                    exec_id,
+                    ..Default::default()
+                }),
+            )
+            .await;
         Ok(())
     }
 
-    /// Start of an exec: runs it in the agent, publishes TaskExecStarted, waits for its exit.
-    pub(super) async fn exec_start(&self, id: &str, exec_id: &str) -> TtrpcResult<u32> {
+    /// Start of an exec: runs it in the agent, publishes TaskExecStarted, watches for its exit.
+    pub(super) async fn exec_start(&self, id: &str, exec_id: &str) -> Result<u32> {
         let agent = {
             let inner = self.inner.lock().await;
-            let e = inner.exec(id, exec_id)?;
-            if e.phase != Phase::Created {
-                return Err(status(
-                    Code::FAILED_PRECONDITION,
-                    format!("microvm: exec {exec_id} of container {id} was already started"),
-                ));
+            if inner.exec(id, exec_id)?.state() != State::Created {
+                return Err(Error::FailedPrecondition(format!(
+                    "exec {exec_id} of container {id} was already started"
+                )));
             }
-            inner.pod_agent_and_socket()?.0
+            inner.sandbox()?.agent()
         };
-        let (cid, eid, a) = (id.to_string(), exec_id.to_string(), agent.clone());
-        let pid = agent_call(
-            format!("starting exec {exec_id} in container {id}"),
-            move || a.start_exec(&cid, &eid),
-        )
-        .await?;
-        let outputs = {
+        let pid = agent
+            .start_exec(id, exec_id)
+            .await
+            .map_err(Error::agent(format!(
+                "starting exec {exec_id} in container {id}"
+            )))?;
+        let (outputs, handle) = {
             let mut inner = self.inner.lock().await;
             let e = inner
-                .containers
+                .map
                 .get_mut(id)
-                .and_then(|c| c.execs.get_mut(exec_id))
+                .and_then(|c| c.execs_mut())
+                .and_then(|e| e.get_mut(exec_id))
                 .ok_or_else(|| exec_not_found(id, exec_id))?;
             e.pid = pid;
-            e.phase = Phase::Running;
-            std::mem::take(&mut e.outputs)
+            e.set(State::Running);
+            (std::mem::take(&mut e.outputs), e.handle())
         };
-        self.publish(
-            topics::TASK_EXEC_STARTED_EVENT_TOPIC,
-            Box::new(TaskExecStarted {
-                container_id: id.to_string(),
-                exec_id: exec_id.to_string(),
-                pid,
-                ..Default::default()
-            }),
-        )
-        .await;
-        self.spawn_process_waiter(id.to_string(), exec_id.to_string(), pid, agent, outputs);
+        self.events
+            .publish(
+                topics::TASK_EXEC_STARTED_EVENT_TOPIC,
+                Box::new(TaskExecStarted {
+                    container_id: id.to_string(),
+                    exec_id: exec_id.to_string(),
+                    pid,
+                    ..Default::default()
+                }),
+            )
+            .await;
+        events::watch_process_exit(
+            self.events.clone(),
+            agent,
+            (id.to_string(), exec_id.to_string()),
+            pid,
+            handle,
+            outputs,
+        );
         Ok(pid)
     }
 
     /// State of an exec.
-    pub(super) async fn exec_state(
-        &self,
-        req: &api::StateRequest,
-    ) -> TtrpcResult<api::StateResponse> {
+    pub(super) async fn exec_state(&self, req: &api::StateRequest) -> Result<api::StateResponse> {
         let inner = self.inner.lock().await;
         let c = inner.app(&req.id)?;
         let e = inner.exec(&req.id, &req.exec_id)?;
@@ -244,203 +192,94 @@ impl TaskService {
             exec_id: req.exec_id.clone(),
             ..Default::default()
         };
-        match (*e.exit.borrow(), e.phase) {
-            (Some(x), _) => {
-                resp.set_status(api::Status::STOPPED);
-                resp.exit_status = x.status;
-                resp.exited_at = Some(timestamp(x.at)).into();
-            }
-            (None, Phase::Created) => resp.set_status(api::Status::CREATED),
-            (None, Phase::Stopped) => resp.set_status(api::Status::STOPPED),
-            (None, _) => resp.set_status(api::Status::RUNNING),
-        }
+        set_status(&mut resp, e.state());
         Ok(resp)
     }
 
-    /// The exit watch of an exec (Wait).
-    pub(super) async fn exec_exit(
-        &self,
-        id: &str,
-        exec_id: &str,
-    ) -> TtrpcResult<watch::Receiver<Option<VmExit>>> {
-        let inner = self.inner.lock().await;
-        Ok(inner.exec(id, exec_id)?.exit.clone())
-    }
-
     /// Kill of an exec: the signal goes to its process in the guest.
-    pub(super) async fn exec_kill(&self, req: &api::KillRequest) -> TtrpcResult<()> {
+    pub(super) async fn exec_kill(&self, req: &api::KillRequest) -> Result<()> {
         let agent = {
             let inner = self.inner.lock().await;
-            let e = inner.exec(&req.id, &req.exec_id)?;
-            if e.exit.borrow().is_some() || e.phase == Phase::Stopped {
-                return Err(status(
-                    Code::NOT_FOUND,
-                    format!(
-                        "microvm: exec {} of container {} already finished",
+            match inner.exec(&req.id, &req.exec_id)?.state() {
+                State::Exited(_) => {
+                    return Err(Error::NotFound(format!(
+                        "exec {} of container {} already finished",
                         req.exec_id, req.id
-                    ),
-                ));
-            }
-            if e.phase == Phase::Created {
-                return Err(status(
-                    Code::FAILED_PRECONDITION,
-                    format!(
-                        "microvm: exec {} of container {} is not started",
+                    )))
+                }
+                State::Created => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "exec {} of container {} is not started",
                         req.exec_id, req.id
-                    ),
-                ));
+                    )))
+                }
+                State::Running | State::Paused => {}
             }
-            inner.pod_agent_and_socket()?.0
+            inner.sandbox()?.agent()
         };
         if req.signal == 0 {
             return Ok(());
         }
-        let (id, eid, signal) = (req.id.clone(), req.exec_id.clone(), req.signal);
-        agent_call(
-            format!("signalling exec {} of container {}", req.exec_id, req.id),
-            move || agent.signal_process(&id, &eid, signal, false),
-        )
-        .await
+        agent
+            .signal_process(&req.id, &req.exec_id, req.signal, false)
+            .await
+            .map_err(Error::agent(format!(
+                "signalling exec {} of container {}",
+                req.exec_id, req.id
+            )))
     }
 
-    /// Delete of an exec: it must not run; the agent forgets it; its stdio threads end.
+    /// Delete of an exec: it must not run; the agent forgets it; its stdio copies end.
     pub(super) async fn exec_delete(
         &self,
         req: &api::DeleteRequest,
-    ) -> TtrpcResult<api::DeleteResponse> {
+    ) -> Result<api::DeleteResponse> {
         let (exec, agent) = {
             let mut inner = self.inner.lock().await;
-            let e = inner.exec(&req.id, &req.exec_id)?;
-            if e.phase == Phase::Running && e.exit.borrow().is_none() {
-                return Err(status(
-                    Code::FAILED_PRECONDITION,
-                    format!(
-                        "microvm: exec {} of container {} is still running",
-                        req.exec_id, req.id
-                    ),
-                ));
+            if inner.exec(&req.id, &req.exec_id)?.state() == State::Running {
+                return Err(Error::FailedPrecondition(format!(
+                    "exec {} of container {} is still running",
+                    req.exec_id, req.id
+                )));
             }
-            let agent = inner.pod_agent_and_socket().ok().map(|(a, _)| a);
+            let agent = inner.sandbox().ok().map(|s| s.agent());
             let exec = inner
-                .containers
+                .map
                 .get_mut(&req.id)
-                .and_then(|c| c.execs.remove(&req.exec_id))
+                .and_then(|c| c.execs_mut())
+                .and_then(|e| e.remove(&req.exec_id))
                 .ok_or_else(|| exec_not_found(&req.id, &req.exec_id))?;
             (exec, agent)
         };
         stdio::release_stdin_fifo(&exec.fifos.stdin);
         if let Some(agent) = agent {
-            let (id, eid) = (req.id.clone(), req.exec_id.clone());
-            let removed = tokio::task::spawn_blocking(move || agent.remove_exec(&id, &eid)).await;
-            match removed {
+            match agent.remove_exec(&req.id, &req.exec_id).await {
                 // An exec whose start failed was already forgotten by the agent.
-                Ok(Err(e)) if exec.phase == Phase::Created => {
+                Err(e) if exec.state() == State::Created => {
                     log::debug!("exec {} of {}: {e}", req.exec_id, req.id)
                 }
-                Ok(Err(e)) => log::warn!(
+                Err(e) => log::warn!(
                     "forgetting exec {} of {} in the guest: {e}",
                     req.exec_id,
                     req.id
                 ),
-                _ => {}
+                Ok(()) => {}
             }
         }
-        let exit = (*exec.exit.borrow()).unwrap_or(VmExit {
-            status: 0,
-            at: SystemTime::now(),
-        });
+        let exit = exec.exit().unwrap_or(Exit::now(0));
         Ok(api::DeleteResponse {
             pid: exec.pid,
             exit_status: exit.status,
-            exited_at: Some(timestamp(exit.at)).into(),
+            exited_at: Some(timestamp_of(exit)).into(),
             ..Default::default()
         })
     }
+}
 
-    /// Waits (in the agent) for process (`id`, `exec_id`; "" = the init) to exit; then lets
-    /// its output reach containerd (bounded), records the exit and publishes TaskExit.
-    pub(super) fn spawn_process_waiter(
-        &self,
-        id: String,
-        exec_id: String,
-        pid: u32,
-        agent: Arc<AgentClient>,
-        outputs: Vec<JoinHandle<()>>,
-    ) {
-        let service = self.clone();
-        tokio::spawn(async move {
-            let (wid, weid) = (id.clone(), exec_id.clone());
-            let status = tokio::task::spawn_blocking(move || {
-                let status = loop {
-                    match agent.wait_process(&wid, &weid, WAIT_SLICE) {
-                        Ok((status, _)) => break status,
-                        Err(e) if e.is_timeout() => continue,
-                        Err(e) => {
-                            log::warn!("waiting for process {weid:?} of container {wid}: {e}");
-                            break UNEXPECTED_EXIT_STATUS;
-                        }
-                    }
-                };
-                let mut copies = Attached {
-                    stdin: None,
-                    outputs,
-                };
-                if !copies.wait_outputs(OUTPUT_DRAIN) {
-                    log::warn!(
-                        "process {weid:?} of container {wid} exited; its output streams are \
-                         still open after {OUTPUT_DRAIN:?} (a child holds them?)"
-                    );
-                }
-                status
-            })
-            .await
-            .unwrap_or(UNEXPECTED_EXIT_STATUS);
-            let exit = VmExit {
-                status,
-                at: SystemTime::now(),
-            };
-            {
-                let mut inner = service.inner.lock().await;
-                if let Some(c) = inner.containers.get_mut(&id) {
-                    if exec_id.is_empty() {
-                        c.phase = Phase::Stopped;
-                        if let Some(tx) = &c.app_exit {
-                            let _ = tx.send(Some(exit));
-                        }
-                    } else if let Some(e) = c.execs.get_mut(&exec_id) {
-                        e.phase = Phase::Stopped;
-                        let _ = e.exit_tx.send(Some(exit));
-                    }
-                }
-            }
-            log::info!(
-                "container {id}{}: exited with status {status}",
-                if exec_id.is_empty() {
-                    String::new()
-                } else {
-                    format!(" exec {exec_id}")
-                }
-            );
-            let process_id = if exec_id.is_empty() {
-                id.clone()
-            } else {
-                exec_id
-            };
-            service
-                .publish(
-                    topics::TASK_EXIT_EVENT_TOPIC,
-                    Box::new(TaskExit {
-                        container_id: id,
-                        id: process_id,
-                        pid,
-                        exit_status: status,
-                        exited_at: Some(timestamp(exit.at)).into(),
-                        ..Default::default()
-                    }),
-                )
-                .await;
-        });
-    }
+fn timestamp_of(
+    exit: Exit,
+) -> containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp {
+    crate::task::shim::timestamp(exit.at)
 }
 
 #[cfg(test)]

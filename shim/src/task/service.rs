@@ -1,225 +1,618 @@
-//! The shim's process-level commands (containerd's shim v2 protocol, through the
-//! `containerd-shim` crate): `start` spawns or reuses the pod's long-lived shim and prints its
-//! socket address; `delete` cleans up after a shim that is gone; the daemon serves the task API
-//! ([`crate::task::task_service`]).
+//! The containerd task API (shim v2, `containerd.task.v2.Task`) of one pod's shim: each RPC
+//! validates, calls the [`Sandbox`] or the agent, and maps errors ([`crate::error`]).
 //!
-//! One shim per pod: the socket address is derived from the pod id (the sandbox id), so every
-//! container of a pod gets the same address; a container outside a pod gets its own.
+//! The pod's sandbox container is its VM: Create boots it ([`Sandbox::boot`]); Start is a no-op
+//! (the pause process is not run: the VM is what holds the pod); Kill stops the VM and the
+//! sandbox exits with 128 + the signal (137 for the SIGKILL of StopPodSandbox); Wait, State and
+//! Delete follow the VM's life. App containers are added to the VM
+//! ([`Sandbox::add_container`]) and their processes run in the guest. Exec processes are in
+//! [`super::exec`], Create's three roles in [`super::create`], events and watchers in
+//! [`super::events`].
 
-use std::io::Read;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use containerd_shim::asynchronous::{ExitSignal, Shim};
+use containerd_shim::asynchronous::ExitSignal;
 use containerd_shim::publisher::RemotePublisher;
-use containerd_shim::{Config, Error, Flags, StartOpts};
-use containerd_shim_protos::api::DeleteResponse;
-use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
+use containerd_shim_protos::api;
+use containerd_shim_protos::events::task::{
+    TaskCreate, TaskDelete, TaskIO, TaskPaused, TaskResumed, TaskStart,
+};
+use containerd_shim_protos::shim_async::Task;
+use containerd_shim_protos::topics;
+use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
+use tokio::sync::Mutex;
 
+use crate::agent::stdio;
+use crate::error::{Error, Result};
 use crate::task::bundle::{self, Role};
-use crate::task::options;
-use crate::task::state_dir::{state_root, StateDir};
-use crate::task::task_service::TaskService;
+use crate::task::container::{process_name, Containers, Kind};
+use crate::task::events::{self, Events};
+use crate::task::process::{wait_exit, Exit, State};
+use crate::task::shim::timestamp;
 
-/// The runtime id containerd maps to `containerd-shim-microvm-v1`.
-pub const RUNTIME_ID: &str = "io.containerd.microvm.v1";
-/// Environment variable carrying the handler's `ConfigPath` from `start` to the daemon.
-pub const CONFIG_PATH_ENV: &str = "MICROVM_CONFIG_PATH";
-/// How long `start` waits for a freshly spawned daemon to serve.
-const DAEMON_START_TIMEOUT: Duration = Duration::from_secs(10);
+type TtrpcResult<T> = std::result::Result<T, containerd_shim_protos::ttrpc::Error>;
 
-/// The shim: `start`, `delete`, and the daemon's task service.
-pub struct MicrovmShim {
-    id: String,
-    namespace: String,
-    bundle: PathBuf,
+/// How long CloseIO lets the stdin copy deliver what containerd wrote.
+const STDIN_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
+/// The status of a sandbox stopped by Delete or a failed create (SIGKILL).
+const KILLED: u32 = 137;
+
+/// The task service of one pod's shim.
+#[derive(Clone)]
+pub struct TaskService {
+    pub(crate) events: Events,
     exit: Arc<ExitSignal>,
+    pub(super) config_path: Option<PathBuf>,
+    pub(crate) inner: Arc<Mutex<Containers>>,
+}
+
+impl TaskService {
+    /// A service publishing to containerd through `publisher`; `config_path` is the handler's
+    /// `ConfigPath` given to `start` (a Create's own options win over it).
+    pub fn new(
+        namespace: String,
+        publisher: RemotePublisher,
+        exit: Arc<ExitSignal>,
+        config_path: Option<PathBuf>,
+    ) -> Self {
+        TaskService {
+            events: Events::new(publisher, namespace),
+            exit,
+            config_path,
+            inner: Arc::new(Mutex::new(Containers::default())),
+        }
+    }
+
+    /// Pause (`paused`) or Resume of app container `id` through the agent (cgroup freezer).
+    async fn set_paused(&self, id: &str, paused: bool) -> Result<()> {
+        let agent = {
+            let inner = self.inner.lock().await;
+            let c = inner.app(id)?;
+            let want = if paused {
+                State::Running
+            } else {
+                State::Paused
+            };
+            let now = c.init.state();
+            if now != want {
+                return Err(Error::FailedPrecondition(format!(
+                    "container {id} is {}; cannot {}",
+                    state_name(now),
+                    if paused { "pause" } else { "resume" }
+                )));
+            }
+            inner.sandbox()?.agent()
+        };
+        if paused {
+            agent
+                .pause_container(id)
+                .await
+                .map_err(Error::agent(format!("pausing container {id}")))?;
+        } else {
+            agent
+                .resume_container(id)
+                .await
+                .map_err(Error::agent(format!("resuming container {id}")))?;
+        }
+        if let Ok(c) = self.inner.lock().await.get(id) {
+            c.init.set(if paused {
+                State::Paused
+            } else {
+                State::Running
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A state as the old phase names read in errors.
+fn state_name(s: State) -> &'static str {
+    match s {
+        State::Created => "Created",
+        State::Running => "Running",
+        State::Paused => "Paused",
+        State::Exited(_) => "Stopped",
+    }
 }
 
 #[async_trait]
-impl Shim for MicrovmShim {
-    type T = TaskService;
-
-    async fn new(_runtime_id: &str, args: &Flags, _config: &mut Config) -> Self {
-        let bundle = if args.bundle.is_empty() {
-            std::env::current_dir().unwrap_or_default()
-        } else {
-            PathBuf::from(&args.bundle)
-        };
-        MicrovmShim {
-            id: args.id.clone(),
-            namespace: args.namespace.clone(),
-            bundle,
-            exit: Arc::new(ExitSignal::default()),
-        }
-    }
-
-    async fn start_shim(&mut self, opts: StartOpts) -> Result<String, Error> {
-        // stdin: the handler's runtime options (runtimeoptions.v1.Options with ConfigPath).
-        let mut stdin = Vec::new();
-        let _ = std::io::stdin().read_to_end(&mut stdin);
-        let config_path = options::config_path_from_any_bytes(&stdin)
+impl Task for TaskService {
+    async fn create(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::CreateTaskRequest,
+    ) -> TtrpcResult<api::CreateTaskResponse> {
+        let spec = bundle::read_spec(Path::new(&req.bundle))
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        let spec = bundle::read_spec(&self.bundle).map_err(|e| Error::Other(e.to_string()))?;
-        let role = Role::from_annotations(&opts.id, &bundle::annotations(&spec));
-        let pod_id = role.pod_id(&opts.id).to_string();
-        let address = containerd_shim::socket_address(&opts.address, &opts.namespace, &pod_id);
-        if !socket_serves(&address).await {
-            spawn_daemon(&opts, &address, config_path.as_deref()).await?;
-        }
-        // containerd reads the address back from the bundle when it restarts.
-        let _ = std::fs::write(self.bundle.join("address"), &address);
-        Ok(address)
+        let annotations = bundle::annotations(&spec);
+        let pid = match Role::from_annotations(&req.id, &annotations) {
+            Role::Sandbox => self.create_sandbox(&req, &spec, &annotations).await?,
+            Role::App { sandbox_id } => self.create_app(&req, spec, &sandbox_id).await?,
+            Role::Standalone => self.create_standalone(&req, spec, &annotations).await?,
+        };
+        self.events
+            .publish(
+                topics::TASK_CREATE_EVENT_TOPIC,
+                Box::new(TaskCreate {
+                    container_id: req.id.clone(),
+                    bundle: req.bundle.clone(),
+                    rootfs: req.rootfs.clone(),
+                    io: Some(TaskIO {
+                        stdin: req.stdin.clone(),
+                        stdout: req.stdout.clone(),
+                        stderr: req.stderr.clone(),
+                        terminal: req.terminal,
+                        ..Default::default()
+                    })
+                    .into(),
+                    checkpoint: req.checkpoint.clone(),
+                    pid,
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(api::CreateTaskResponse {
+            pid,
+            ..Default::default()
+        })
     }
 
-    async fn delete_shim(&mut self) -> Result<DeleteResponse, Error> {
-        // Runs after the ttrpc connection closed. A pod whose shim still runs is left alone
-        // (its VM may run other containers); a pod whose shim is gone is cleaned up whole.
-        let pod_id = bundle::read_spec(&self.bundle)
-            .map(|spec| {
-                Role::from_annotations(&self.id, &bundle::annotations(&spec))
-                    .pod_id(&self.id)
-                    .to_string()
-            })
-            .unwrap_or_else(|_| self.id.clone());
-        let state =
-            StateDir::new(&state_root(), &pod_id).map_err(|e| Error::Other(e.to_string()))?;
-        let address = std::fs::read_to_string(self.bundle.join("address")).unwrap_or_default();
-        let address = address.trim();
-        let serving = !address.is_empty() && socket_serves(address).await;
-        if !serving && !state.shim_alive() {
-            // The pod network first: its record lives in the state directory.
-            crate::resources::network::teardown(&state.network_record())
-                .await
-                .map_err(|e| {
-                    Error::Other(format!(
-                        "tearing down the network of pod {pod_id}: {e}"
-                    ))
-                })?;
-            state.cleanup().map_err(|e| {
-                Error::Other(format!(
-                    "cleaning up pod {pod_id} in {}: {e}",
-                    state.path().display()
-                ))
-            })?;
-            // The dead shim's socket (a shim that exits normally removes it itself).
-            let socket = address.strip_prefix("unix://").unwrap_or(address);
-            if !socket.is_empty() {
-                let _ = std::fs::remove_file(socket);
-            }
+    async fn start(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StartRequest,
+    ) -> TtrpcResult<api::StartResponse> {
+        if !req.exec_id.is_empty() {
+            let pid = self.exec_start(&req.id, &req.exec_id).await?;
+            return Ok(api::StartResponse {
+                pid,
+                ..Default::default()
+            });
         }
-        let mut resp = DeleteResponse::new();
-        resp.exit_status = 137;
-        resp.exited_at = Some(timestamp(SystemTime::now())).into();
+        let app_to_start = {
+            let inner = self.inner.lock().await;
+            let c = inner.get(&req.id)?;
+            c.is_app() && c.init.state() == State::Created
+        };
+        if app_to_start {
+            let agent = self.inner.lock().await.sandbox()?.agent();
+            let pid = agent
+                .start_container(&req.id)
+                .await
+                .map_err(Error::agent(format!("starting container {}", req.id)))?;
+            let (outputs, handle) = {
+                let mut inner = self.inner.lock().await;
+                let c = inner.get_mut(&req.id)?;
+                // Running before the watcher can record a (quick) exit.
+                c.init.set(State::Running);
+                (std::mem::take(&mut c.init.outputs), c.init.handle())
+            };
+            events::watch_process_exit(
+                self.events.clone(),
+                agent,
+                (req.id.clone(), String::new()),
+                pid,
+                handle,
+                outputs,
+            );
+        }
+        let pid = {
+            let inner = self.inner.lock().await;
+            let c = inner.get(&req.id)?;
+            match c.init.state() {
+                State::Created => c.init.set(State::Running),
+                State::Running | State::Paused => {}
+                State::Exited(_) => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "container {} has stopped",
+                        req.id
+                    ))
+                    .into())
+                }
+            }
+            c.init.pid
+        };
+        self.events
+            .publish(
+                topics::TASK_START_EVENT_TOPIC,
+                Box::new(TaskStart {
+                    container_id: req.id.clone(),
+                    pid,
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(api::StartResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    async fn state(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StateRequest,
+    ) -> TtrpcResult<api::StateResponse> {
+        if !req.exec_id.is_empty() {
+            return Ok(self.exec_state(&req).await?);
+        }
+        let inner = self.inner.lock().await;
+        let c = inner.get(&req.id)?;
+        let mut resp = api::StateResponse {
+            id: req.id.clone(),
+            bundle: c.bundle.clone(),
+            pid: c.init.pid,
+            stdin: c.init.fifos.stdin.clone(),
+            ..Default::default()
+        };
+        set_status(&mut resp, c.init.state());
         Ok(resp)
     }
 
-    async fn wait(&mut self) {
-        self.exit.wait().await;
+    async fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
+        if !req.exec_id.is_empty() {
+            self.exec_kill(&req).await?;
+            return Ok(api::Empty::new());
+        }
+        let inner = self.inner.lock().await;
+        let c = inner.get(&req.id)?;
+        if c.init.exit().is_some() {
+            return Err(Error::NotFound(format!("process of {} already finished", req.id)).into());
+        }
+        if req.signal == 0 {
+            return Ok(api::Empty::new());
+        }
+        if c.is_app() {
+            let agent = inner
+                .pod
+                .as_ref()
+                .map(|p| p.agent())
+                .ok_or_else(|| Error::container_not_found(&req.id))?;
+            drop(inner);
+            agent
+                .signal_process(&req.id, "", req.signal, req.all)
+                .await
+                .map_err(Error::agent(format!("signalling container {}", req.id)))?;
+            return Ok(api::Empty::new());
+        }
+        let Some(pod) = inner.pod.as_ref().filter(|p| p.id() == req.id) else {
+            return Err(Error::container_not_found(&req.id).into());
+        };
+        log::info!("sandbox {}: signal {} stops the VM", req.id, req.signal);
+        pod.stop(128u32.saturating_add(req.signal));
+        Ok(api::Empty::new())
     }
 
-    async fn create_task_service(&self, publisher: RemotePublisher) -> Self::T {
-        let config_path = std::env::var_os(CONFIG_PATH_ENV)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from);
-        TaskService::new(
-            self.namespace.clone(),
-            publisher,
-            self.exit.clone(),
-            config_path,
-        )
+    async fn wait(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::WaitRequest,
+    ) -> TtrpcResult<api::WaitResponse> {
+        let rx = self
+            .inner
+            .lock()
+            .await
+            .process(&req.id, &req.exec_id)?
+            .watch();
+        let exit = wait_exit(rx).await;
+        Ok(api::WaitResponse {
+            exit_status: exit.status,
+            exited_at: Some(timestamp(exit.at)).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn delete(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::DeleteRequest,
+    ) -> TtrpcResult<api::DeleteResponse> {
+        if !req.exec_id.is_empty() {
+            return Ok(self.exec_delete(&req).await?);
+        }
+        let (container, own_pod, pod) = {
+            let mut inner = self.inner.lock().await;
+            let c = inner
+                .map
+                .remove(&req.id)
+                .ok_or_else(|| Error::container_not_found(&req.id))?;
+            let own = if inner.pod.as_ref().is_some_and(|p| p.id() == req.id) {
+                inner.pod.take()
+            } else {
+                None
+            };
+            (c, own, inner.pod.clone())
+        };
+        // Stdin copies still waiting for containerd to open a FIFO end now.
+        stdio::release_stdin_fifo(&container.init.fifos.stdin);
+        for e in container.execs().into_iter().flat_map(HashMap::values) {
+            stdio::release_stdin_fifo(&e.fifos.stdin);
+        }
+        let exit = if let Some(own) = own_pod {
+            // This container's VM (the sandbox, or a standalone container's): a sandbox deleted
+            // while its VM runs (e.g. a failed RunPodSandbox) is stopped first.
+            let end = own.teardown(KILLED).await;
+            // A standalone container's exit is its own.
+            match container.kind {
+                Kind::App { .. } => container.init.exit().unwrap_or(Exit::from(&end)),
+                Kind::Sandbox => Exit::from(&end),
+            }
+        } else {
+            let exit = container.init.exit().unwrap_or(Exit::now(0));
+            if let Some(pod) = pod {
+                pod.remove_container(&req.id).await;
+            }
+            exit
+        };
+        self.events
+            .publish(
+                topics::TASK_DELETE_EVENT_TOPIC,
+                Box::new(TaskDelete {
+                    container_id: req.id.clone(),
+                    pid: container.init.pid,
+                    exit_status: exit.status,
+                    exited_at: Some(timestamp(exit.at)).into(),
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(api::DeleteResponse {
+            pid: container.init.pid,
+            exit_status: exit.status,
+            exited_at: Some(timestamp(exit.at)).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn pids(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::PidsRequest,
+    ) -> TtrpcResult<api::PidsResponse> {
+        let (pid, agent) = {
+            let inner = self.inner.lock().await;
+            let c = inner.get(&req.id)?;
+            let agent = if c.is_app() {
+                Some(inner.sandbox()?.agent())
+            } else {
+                None
+            };
+            (c.init.pid, agent)
+        };
+        // The sandbox's process is the shim, which runs the VM; an app container's are the
+        // guest pids in its cgroup.
+        let pids = match agent {
+            None => vec![pid],
+            Some(agent) => agent
+                .list_pids(&req.id)
+                .await
+                .map_err(Error::agent(format!(
+                    "listing the pids of container {}",
+                    req.id
+                )))?,
+        };
+        Ok(api::PidsResponse {
+            processes: pids
+                .into_iter()
+                .map(|pid| containerd_shim_protos::types::task::ProcessInfo {
+                    pid,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        })
+    }
+
+    async fn exec(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ExecProcessRequest,
+    ) -> TtrpcResult<api::Empty> {
+        self.exec_add(&req).await?;
+        Ok(api::Empty::new())
+    }
+
+    async fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtrpcResult<api::Empty> {
+        let agent = {
+            let inner = self.inner.lock().await;
+            inner.app(&req.id)?;
+            inner.process(&req.id, &req.exec_id)?;
+            inner.sandbox()?.agent()
+        };
+        agent
+            .resize_pty(&req.id, &req.exec_id, req.width, req.height)
+            .await
+            .map_err(Error::agent(format!(
+                "resizing the terminal of {}",
+                process_name(&req.id, &req.exec_id)
+            )))?;
+        Ok(api::Empty::new())
+    }
+
+    async fn close_io(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::CloseIORequest,
+    ) -> TtrpcResult<api::Empty> {
+        if !req.stdin {
+            return Ok(api::Empty::new());
+        }
+        let (copy, agent) = {
+            let mut inner = self.inner.lock().await;
+            inner.app(&req.id)?;
+            inner.process(&req.id, &req.exec_id)?;
+            let agent = inner.sandbox()?.agent();
+            let c = inner.get_mut(&req.id)?;
+            let copy = if req.exec_id.is_empty() {
+                c.init.stdin.take()
+            } else {
+                c.execs_mut()
+                    .and_then(|e| e.get_mut(&req.exec_id))
+                    .and_then(|e| e.stdin.take())
+            };
+            (copy, agent)
+        };
+        // What containerd already wrote goes through first: the copy reads the FIFO until it
+        // is empty, then shuts the stream (the process sees EOF after the last byte). Only a
+        // copy that does not end in time is cut in the agent.
+        if let Some(copy) = copy {
+            if copy.close(STDIN_DRAIN).await {
+                return Ok(api::Empty::new());
+            }
+            log::warn!(
+                "stdin of {}: copy still busy after {STDIN_DRAIN:?}",
+                process_name(&req.id, &req.exec_id)
+            );
+        }
+        agent
+            .close_stdin(&req.id, &req.exec_id)
+            .await
+            .map_err(Error::agent(format!(
+                "closing the stdin of {}",
+                process_name(&req.id, &req.exec_id)
+            )))?;
+        Ok(api::Empty::new())
+    }
+
+    async fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
+        // The sandbox (the VM) answers with the whole guest's figures (agent Stats of ""):
+        // containerd asks every task for its metrics (ListContainerStats without a filter) and
+        // logs an error for each that fails.
+        let (agent, agent_id, what) = {
+            let inner = self.inner.lock().await;
+            let c = inner.get(&req.id)?;
+            if c.is_app() {
+                let what = format!("reading the stats of container {}", req.id);
+                (inner.sandbox()?.agent(), req.id.clone(), what)
+            } else {
+                if c.init.exit().is_some() {
+                    return Err(
+                        Error::NotFound(format!("the VM of sandbox {} has ended", req.id)).into(),
+                    );
+                }
+                let what = format!("reading the guest's stats for sandbox {}", req.id);
+                (inner.sandbox()?.agent(), String::new(), what)
+            }
+        };
+        let stats = agent.stats(&agent_id).await.map_err(Error::agent(what))?;
+        let any = crate::task::metrics::metrics_any(&stats)
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        Ok(api::StatsResponse {
+            stats: Some(any).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn update(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::UpdateTaskRequest,
+    ) -> TtrpcResult<api::Empty> {
+        let agent = {
+            let inner = self.inner.lock().await;
+            inner.app(&req.id)?;
+            inner.sandbox()?.agent()
+        };
+        let resources = req
+            .resources
+            .as_ref()
+            .map(|any| any.value.clone())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("update of {} without resources", req.id))
+            })?;
+        agent
+            .update_container(&req.id, resources)
+            .await
+            .map_err(Error::agent(format!(
+                "updating the resources of container {}",
+                req.id
+            )))?;
+        Ok(api::Empty::new())
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<api::Empty> {
+        self.set_paused(&req.id, true).await?;
+        self.events
+            .publish(
+                topics::TASK_PAUSED_EVENT_TOPIC,
+                Box::new(TaskPaused {
+                    container_id: req.id.clone(),
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(api::Empty::new())
+    }
+
+    async fn resume(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResumeRequest,
+    ) -> TtrpcResult<api::Empty> {
+        self.set_paused(&req.id, false).await?;
+        self.events
+            .publish(
+                topics::TASK_RESUMED_EVENT_TOPIC,
+                Box::new(TaskResumed {
+                    container_id: req.id.clone(),
+                    ..Default::default()
+                }),
+            )
+            .await;
+        Ok(api::Empty::new())
+    }
+
+    async fn connect(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ConnectRequest,
+    ) -> TtrpcResult<api::ConnectResponse> {
+        let inner = self.inner.lock().await;
+        let task_pid = inner.map.get(&req.id).map(|c| c.init.pid).unwrap_or(0);
+        Ok(api::ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::ShutdownRequest,
+    ) -> TtrpcResult<api::Empty> {
+        let inner = self.inner.lock().await;
+        if !inner.map.is_empty() {
+            return Ok(api::Empty::new());
+        }
+        log::info!("no containers left: the shim exits");
+        self.exit.signal();
+        Ok(api::Empty::new())
     }
 }
 
-/// The containerd-shim crate's settings for this shim; pass them to `run` (the crate installs
-/// its signal handlers before [`Shim::new`] could change them). The VM backends wait for their
-/// own children (QEMU, vhost-device-vsock, virtiofsd): the crate's SIGCHLD reaper
-/// (`waitpid(-1)`) would steal their exit statuses, so it is off, and so is the subreaper (the
-/// shim has no grandchildren to adopt).
-pub fn shim_config() -> Config {
-    Config {
-        no_reaper: true,
-        no_sub_reaper: true,
-        ..Config::default()
-    }
-}
-
-/// A protobuf timestamp.
-pub fn timestamp(t: SystemTime) -> Timestamp {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    Timestamp {
-        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
-        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
-        ..Default::default()
-    }
-}
-
-async fn socket_serves(address: &str) -> bool {
-    let path = address
-        .strip_prefix("unix://")
-        .unwrap_or(address)
-        .to_string();
-    tokio::net::UnixStream::connect(path).await.is_ok()
-}
-
-/// Spawns the daemon (this binary without an action, with `-socket`) and waits until it serves:
-/// the daemon closes its stdout (our pipe) once its ttrpc server listens.
-async fn spawn_daemon(
-    opts: &StartOpts,
-    address: &str,
-    config_path: Option<&Path>,
-) -> Result<(), Error> {
-    let exe = std::env::current_exe().map_err(|e| Error::Other(format!("current_exe: {e}")))?;
-    let mut cmd = tokio::process::Command::new(exe);
-    cmd.args([
-        "-namespace",
-        &opts.namespace,
-        "-id",
-        &opts.id,
-        "-address",
-        &opts.address,
-        "-socket",
-        address,
-    ])
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null())
-    // Its own process group: signals to containerd's group do not reach it.
-    .process_group(0)
-    .kill_on_drop(false);
-    if opts.debug {
-        cmd.arg("-debug");
-    }
-    match config_path {
-        Some(p) => cmd.env(CONFIG_PATH_ENV, p),
-        None => cmd.env_remove(CONFIG_PATH_ENV),
-    };
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| Error::Other(format!("spawning the shim daemon: {e}")))?;
-    let mut out = child
-        .stdout
-        .take()
-        .ok_or_else(|| Error::Other("shim daemon has no stdout pipe".into()))?;
-    let mut sink = Vec::new();
-    let read = tokio::time::timeout(
-        DAEMON_START_TIMEOUT,
-        tokio::io::AsyncReadExt::read_to_end(&mut out, &mut sink),
-    )
-    .await;
-    if read.is_err() {
-        let _ = child.start_kill();
-        return Err(Error::Other(format!(
-            "the shim daemon did not serve {address} within {DAEMON_START_TIMEOUT:?}"
-        )));
-    }
-    if let Ok(Some(status)) = child.try_wait() {
-        if !status.success() {
-            return Err(Error::Other(format!("the shim daemon exited: {status}")));
+/// A process's state as the task API's status, exit status and time.
+pub(crate) fn set_status(resp: &mut api::StateResponse, state: State) {
+    match state {
+        State::Created => resp.set_status(api::Status::CREATED),
+        State::Running => resp.set_status(api::Status::RUNNING),
+        State::Paused => resp.set_status(api::Status::PAUSED),
+        State::Exited(e) => {
+            resp.set_status(api::Status::STOPPED);
+            resp.exit_status = e.status;
+            resp.exited_at = Some(timestamp(e.at)).into();
         }
     }
-    Ok(())
 }

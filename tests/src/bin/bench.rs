@@ -671,9 +671,9 @@ impl PodSetup {
             &initrd,
             "info",
         )?;
-        let vm_size = shim::config::Config::load(Some(&config))
-            .with_context(|| format!("reading back the shim config {}", config.display()))?
-            .vm_size(&HashMap::new())
+        let shim_config = shim::config::Config::load(Some(&config))
+            .with_context(|| format!("reading back the shim config {}", config.display()))?;
+        let vm_size = shim::sandbox::spec::vm_size(&shim_config, &HashMap::new())
             .map_err(|e| anyhow::anyhow!("the VM size of a pod without limits: {e}"))?;
         let ctrd = PrivateContainerd::start(ContainerdOptions {
             extra_path: vec![bin_dir],

@@ -1,14 +1,25 @@
-//! The seam between the host side and a VM backend: boot a Linux guest from a spec, reach its
-//! agent socket, wait for it, stop it. Kept narrow on purpose (design.md 4): two backends, the
-//! embedded VMM (the product's default) and QEMU (for hosts whose KVM cannot boot a Linux guest).
+//! The seam between the host side and a VM backend (design.md 4): one [`GuestSpec`] says what to
+//! boot, [`Vm`] is the running VM of either backend (the embedded VMM, the product's default, or
+//! [`qemu`] for hosts whose KVM cannot boot a Linux guest), [`GuestVm`] adds what both share (work
+//! folder, console log, agent socket, the agent's ready event), and a VM's end is typed
+//! ([`EndReason`], [`VmEnd`]) instead of a bool. [`thread`] owns a pod's VM on its own thread.
+//!
+//! Kept narrow on purpose: boot from a spec, agent socket, shared directory, stop, wait.
+
+pub mod qemu;
+pub mod ready;
+pub mod thread;
 
 use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
 
-use crate::qemu::{self, Accel, QemuConfig, QemuVm};
+use qemu::{Accel, QemuConfig, QemuVm};
+use ready::{ReadyError, ReadyListener};
 
 /// Which VM backend runs the guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -32,7 +43,11 @@ impl fmt::Display for Backend {
 /// Guest CID of every VM (each VM has its own vsock device, so they need not differ).
 pub const GUEST_CID: u32 = 3;
 
-/// What to boot.
+/// The hybrid-vsock socket's name in a VM's work folder (both backends).
+pub const VSOCK_UDS_NAME: &str = "vsock.sock";
+
+/// What to boot. Network interfaces and drives join here as fields of their own when they come
+/// (design.md 4c, 4e); each backend turns the spec into its own devices.
 #[derive(Debug, Clone)]
 pub struct GuestSpec {
     /// The guest kernel (uncompressed vmlinux ELF).
@@ -51,6 +66,10 @@ pub struct GuestSpec {
     /// The guest's hostname (the pod's, from the sandbox spec), passed as `microvm.hostname=`;
     /// containers share the VM's UTS namespace. A name that is not a valid hostname is dropped.
     pub hostname: Option<String>,
+    /// A host directory exported over virtio-fs (the pod's shared folder).
+    pub shared: Option<SharedDir>,
+    /// The programs of the QEMU backend (unused by the embedded VMM).
+    pub qemu: QemuPrograms,
     /// Network cards (virtio-net on taps in the pod netns), eth0 first.
     pub nics: Vec<GuestNic>,
 }
@@ -64,7 +83,47 @@ pub struct GuestNic {
     pub mtu: u16,
 }
 
+/// The programs the QEMU backend runs (the config's `[qemu]` table).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QemuPrograms {
+    /// `qemu-system-x86_64` (looked up on PATH unless a path).
+    pub qemu: PathBuf,
+    /// `vhost-device-vsock`.
+    pub vhost_vsock: PathBuf,
+}
+
+impl Default for QemuPrograms {
+    fn default() -> Self {
+        QemuPrograms {
+            qemu: PathBuf::from(qemu::DEFAULT_QEMU),
+            vhost_vsock: qemu::default_vhost_vsock_binary(),
+        }
+    }
+}
+
 impl GuestSpec {
+    /// A spec with no log level, hostname or share, and the default QEMU programs.
+    pub fn new(
+        kernel: PathBuf,
+        initrd: PathBuf,
+        vcpus: u8,
+        memory_mib: u64,
+        work_dir: PathBuf,
+    ) -> Self {
+        GuestSpec {
+            kernel,
+            initrd,
+            vcpus,
+            memory_mib,
+            work_dir,
+            agent_log_level: None,
+            hostname: None,
+            shared: None,
+            qemu: QemuPrograms::default(),
+            nics: Vec::new(),
+        }
+    }
+
     /// Words this spec adds to the kernel command line.
     fn cmdline_extra(&self) -> String {
         let mut words = Vec::new();
@@ -94,6 +153,59 @@ pub struct SharedDir {
     pub host_dir: PathBuf,
 }
 
+/// Why a VM ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndReason {
+    /// Stopped because the host asked (sandbox Kill, Delete, a failed create).
+    Stopped,
+    /// The guest reset or powered off by itself (reboot, a panic with `panic=-1`, the agent's
+    /// Shutdown); under QEMU that is QEMU exiting 0 (`-no-reboot`).
+    GuestReset,
+    /// The backend process ended by itself with this status (QEMU failed or was killed).
+    BackendExited(ExitStatus),
+    /// Watching the VM failed; it was stopped.
+    Lost(String),
+}
+
+impl EndReason {
+    /// The exit status a VM that ended this way reports when nobody asked for one: QEMU's own
+    /// (its code, or 128 + the signal that killed it); 255 where there is no process status
+    /// (a guest reset, a lost VM), as for a process that ended without one.
+    pub fn status(&self) -> u32 {
+        match self {
+            EndReason::BackendExited(s) => match (s.code(), s.signal()) {
+                (Some(code), _) => u32::try_from(code).unwrap_or(UNKNOWN_STATUS),
+                (None, Some(sig)) => 128u32.saturating_add(u32::try_from(sig).unwrap_or(0)),
+                (None, None) => UNKNOWN_STATUS,
+            },
+            EndReason::Stopped | EndReason::GuestReset | EndReason::Lost(_) => UNKNOWN_STATUS,
+        }
+    }
+}
+
+impl fmt::Display for EndReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EndReason::Stopped => f.write_str("stopped by the host"),
+            EndReason::GuestReset => f.write_str("the guest reset or powered off"),
+            EndReason::BackendExited(s) => write!(f, "the VM process exited ({s})"),
+            EndReason::Lost(e) => write!(f, "lost: {e}"),
+        }
+    }
+}
+
+/// The status reported for an end without a process status of its own.
+pub const UNKNOWN_STATUS: u32 = 255;
+
+/// How a VM ended: why, the status its task reports (128 + the signal for a Kill, else
+/// [`EndReason::status`]), and when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmEnd {
+    pub reason: EndReason,
+    pub status: u32,
+    pub at: SystemTime,
+}
+
 /// Errors of starting or running a guest.
 #[derive(Debug, thiserror::Error)]
 pub enum GuestVmError {
@@ -115,32 +227,64 @@ pub enum GuestVmError {
     /// The memory size does not fit the backend.
     #[error("memory of {0} MiB is out of range for this backend")]
     Memory(u64),
-    /// The guest did not print the agent's ready line in time.
-    #[error("the guest agent was not ready within {waited:?}; last console lines:\n{tail}")]
-    AgentNotReady { waited: Duration, tail: String },
-    /// The guest ended before its agent was ready.
-    #[error("the guest ended before its agent was ready; last console lines:\n{tail}")]
-    EndedEarly { tail: String },
+    /// The agent's ready event did not come.
+    #[error("{source}; last console lines:\n{tail}")]
+    AgentNotReady { source: ReadyError, tail: String },
 }
 
-/// The line the agent prints on the console once it serves (guest-agent/src/main.rs).
-pub const AGENT_READY_LINE: &str = "microvm-agent: ready";
-
-/// The QEMU variant is boxed: it is twice the size of the embedded VMM's handle.
-enum Running {
-    Kvm(vmm::VmHandle),
+/// A running VM of either backend. The QEMU variant is boxed: it is twice the size of the
+/// embedded VMM's handle.
+pub enum Vm {
+    Embedded(vmm::VmHandle),
     Qemu(Box<QemuVm>),
 }
 
-/// A running guest. Dropping it stops the VM and removes its work folder.
+impl Vm {
+    /// Waits up to `timeout` for the guest to end by itself; why, once it has.
+    fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<EndReason>, GuestVmError> {
+        match self {
+            Vm::Embedded(h) => match h.wait_timeout(timeout) {
+                None => Ok(None),
+                Some(Ok(vmm::VmExit::Reset)) => Ok(Some(EndReason::GuestReset)),
+                Some(Ok(vmm::VmExit::Stopped)) => Ok(Some(EndReason::Stopped)),
+                Some(Err(vmm::VmmError::AlreadyWaited)) => Ok(Some(EndReason::Stopped)),
+                Some(Err(e)) => Err(e.into()),
+            },
+            Vm::Qemu(vm) => Ok(vm.wait_timeout(timeout)?.map(|s| {
+                if s.success() {
+                    EndReason::GuestReset
+                } else {
+                    EndReason::BackendExited(s)
+                }
+            })),
+        }
+    }
+
+    /// Stops the guest (bounded) and waits for it to end.
+    fn stop(&mut self) -> Result<(), GuestVmError> {
+        match self {
+            Vm::Embedded(h) => {
+                h.stop();
+                match h.wait() {
+                    Ok(_) | Err(vmm::VmmError::AlreadyWaited) => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            Vm::Qemu(vm) => vm.stop().map(drop).map_err(Into::into),
+        }
+    }
+}
+
+/// A running guest with its files. Dropping it stops the VM and removes its work folder.
 pub struct GuestVm {
+    vm: Vm,
     backend: Backend,
-    running: Running,
     agent_socket: PathBuf,
     console_log: PathBuf,
     work_dir: PathBuf,
     started_at: Instant,
     detail: String,
+    ready: ReadyListener,
 }
 
 /// The console log a VM started from a spec with `work_dir` writes.
@@ -161,37 +305,42 @@ pub fn console_tail(console_log: &Path, lines: usize) -> String {
 /// the VM cleanly.
 pub const KVM_GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet";
 
-impl GuestVm {
-    /// Boots `spec` with `backend`.
-    pub fn start(backend: Backend, spec: &GuestSpec) -> Result<GuestVm, GuestVmError> {
-        Self::start_with_shared_dir(backend, spec, None)
-    }
+/// Console lines quoted in errors.
+const TAIL_LINES: usize = 20;
 
-    /// Boots `spec` with `backend`, exporting `shared` to the guest over virtio-fs.
-    pub fn start_with_shared_dir(
-        backend: Backend,
-        spec: &GuestSpec,
-        shared: Option<&SharedDir>,
-    ) -> Result<GuestVm, GuestVmError> {
+impl GuestVm {
+    /// Boots `spec` with `backend`; the host listens for the agent's ready event before the
+    /// guest runs.
+    pub fn start(backend: Backend, spec: &GuestSpec) -> Result<GuestVm, GuestVmError> {
         std::fs::create_dir_all(&spec.work_dir).map_err(|source| GuestVmError::WorkDir {
             path: spec.work_dir.clone(),
             source,
         })?;
         let started_at = Instant::now();
         let console_log = console_log_in(&spec.work_dir);
-        let result = match backend {
-            Backend::Kvm => Self::start_kvm(spec, &console_log, shared),
-            Backend::Qemu => Self::start_qemu(spec, &console_log, shared),
-        };
+        let uds = spec.work_dir.join(VSOCK_UDS_NAME);
+        let result = ReadyListener::bind(&uds)
+            .map_err(|source| GuestVmError::AgentNotReady {
+                source,
+                tail: String::new(),
+            })
+            .and_then(|ready| {
+                let (vm, detail) = match backend {
+                    Backend::Kvm => Self::start_kvm(spec, &console_log, &uds)?,
+                    Backend::Qemu => Self::start_qemu(spec, &console_log)?,
+                };
+                Ok((vm, detail, ready))
+            });
         match result {
-            Ok((running, agent_socket, detail)) => Ok(GuestVm {
+            Ok((vm, detail, ready)) => Ok(GuestVm {
+                vm,
                 backend,
-                running,
-                agent_socket,
+                agent_socket: uds,
                 console_log,
                 work_dir: spec.work_dir.clone(),
                 started_at,
                 detail,
+                ready,
             }),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&spec.work_dir);
@@ -203,9 +352,8 @@ impl GuestVm {
     fn start_kvm(
         spec: &GuestSpec,
         console_log: &Path,
-        shared: Option<&SharedDir>,
-    ) -> Result<(Running, PathBuf, String), GuestVmError> {
-        let uds = spec.work_dir.join("vsock.sock");
+        uds: &Path,
+    ) -> Result<(Vm, String), GuestVmError> {
         let mut cfg = vmm::VmConfig::new(&spec.kernel);
         cfg.vcpus = spec.vcpus;
         cfg.memory_mib = spec.memory_mib;
@@ -216,9 +364,9 @@ impl GuestVm {
         cfg.serial = vmm::SerialSink::File(console_log.to_path_buf());
         cfg.vsock = Some(vmm::VsockConfig {
             guest_cid: GUEST_CID,
-            uds_path: uds.clone(),
+            uds_path: uds.to_path_buf(),
         });
-        cfg.shared_fs = shared.map(|s| vmm::SharedFsConfig {
+        cfg.shared_fs = spec.shared.as_ref().map(|s| vmm::SharedFsConfig {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
         });
@@ -236,29 +384,26 @@ impl GuestVm {
         }
         let handle = vmm::Vm::start(cfg)?;
         let detail = format!("embedded vmm on /dev/kvm, {} entry", handle.boot_entry());
-        Ok((Running::Kvm(handle), uds, detail))
+        Ok((Vm::Embedded(handle), detail))
     }
 
-    fn start_qemu(
-        spec: &GuestSpec,
-        console_log: &Path,
-        shared: Option<&SharedDir>,
-    ) -> Result<(Running, PathBuf, String), GuestVmError> {
+    fn start_qemu(spec: &GuestSpec, console_log: &Path) -> Result<(Vm, String), GuestVmError> {
         let memory_mib =
             u32::try_from(spec.memory_mib).map_err(|_| GuestVmError::Memory(spec.memory_mib))?;
         let mut cfg = QemuConfig::new(
             &spec.kernel,
             &spec.initrd,
-            qemu::default_vhost_vsock_binary(),
+            &spec.qemu.vhost_vsock,
             &spec.work_dir,
         );
+        cfg.qemu_binary = spec.qemu.qemu.clone();
         cfg.vcpus = u32::from(spec.vcpus);
         cfg.memory_mib = memory_mib;
         cfg.guest_cid = GUEST_CID;
         cfg.accel = Accel::Auto;
         cfg.console_log = Some(console_log.to_path_buf());
         cfg.cmdline_extra = spec.cmdline_extra();
-        cfg.shared_fs = shared.map(|s| qemu::QemuSharedFs {
+        cfg.shared_fs = spec.shared.as_ref().map(|s| qemu::QemuSharedFs {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
         });
@@ -276,9 +421,8 @@ impl GuestVm {
             _ => "TCG (software emulation)",
         };
         let vm = QemuVm::start(cfg)?;
-        let uds = vm.vsock_uds_path().to_path_buf();
         let detail = format!("qemu -M microvm, {accel}");
-        Ok((Running::Qemu(Box::new(vm)), uds, detail))
+        Ok((Vm::Qemu(Box::new(vm)), detail))
     }
 
     /// The backend running the guest.
@@ -291,13 +435,13 @@ impl GuestVm {
         &self.detail
     }
 
-    /// Host processes running this guest besides the current one (QEMU and vhost-device-vsock;
-    /// none for the embedded VMM, which runs in this process). Recorded so that a cleanup
-    /// after a crash of this process can find them.
+    /// Host processes running this guest besides the current one (QEMU and its helpers; none
+    /// for the embedded VMM, which runs in this process). Recorded so that a cleanup after a
+    /// crash of this process can find them.
     pub fn pids(&self) -> Vec<u32> {
-        match &self.running {
-            Running::Kvm(_) => Vec::new(),
-            Running::Qemu(vm) => vm.pids(),
+        match &self.vm {
+            Vm::Embedded(_) => Vec::new(),
+            Vm::Qemu(vm) => vm.pids(),
         }
     }
 
@@ -321,58 +465,39 @@ impl GuestVm {
         console_tail(&self.console_log, lines)
     }
 
-    /// Waits (bounded) until the agent's ready line is on the console. Connecting only then
-    /// matters for the QEMU backend: vhost-device-vsock 0.3.0 can wedge after connections the
-    /// guest refused (docs/qemu-backend.md), so the client must not knock before the agent listens.
+    /// Waits (bounded) for the agent's ready event ([`ready`]); fails at once if the guest ends
+    /// first. Errors carry the console's tail.
     pub fn wait_agent_ready(&mut self, timeout: Duration) -> Result<(), GuestVmError> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let console = std::fs::read(&self.console_log).unwrap_or_default();
-            if console
-                .windows(AGENT_READY_LINE.len())
-                .any(|w| w == AGENT_READY_LINE.as_bytes())
-            {
-                return Ok(());
+        let GuestVm { vm, ready, .. } = self;
+        let mut gone = None;
+        let waited = ready.wait(timeout, || match vm.wait_timeout(Duration::ZERO) {
+            Ok(None) => false,
+            Ok(Some(reason)) => {
+                gone = Some(reason);
+                true
             }
-            if self.wait_timeout(Duration::from_millis(20))? {
-                return Err(GuestVmError::EndedEarly {
-                    tail: self.console_tail(20),
-                });
+            Err(e) => {
+                gone = Some(EndReason::Lost(e.to_string()));
+                true
             }
-            if Instant::now() >= deadline {
-                return Err(GuestVmError::AgentNotReady {
-                    waited: timeout,
-                    tail: self.console_tail(20),
-                });
-            }
+        });
+        if let Some(reason) = gone {
+            log::warn!("the guest ended before its agent was ready: {reason}");
         }
+        waited.map_err(|source| GuestVmError::AgentNotReady {
+            source,
+            tail: self.console_tail(TAIL_LINES),
+        })
     }
 
-    /// Waits up to `timeout` for the guest to end by itself. `Ok(true)` once it has ended.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<bool, GuestVmError> {
-        match &mut self.running {
-            Running::Kvm(h) => match h.wait_timeout(timeout) {
-                None => Ok(false),
-                Some(Ok(_)) => Ok(true),
-                Some(Err(vmm::VmmError::AlreadyWaited)) => Ok(true),
-                Some(Err(e)) => Err(e.into()),
-            },
-            Running::Qemu(vm) => Ok(vm.wait_timeout(timeout)?.is_some()),
-        }
+    /// Waits up to `timeout` for the guest to end by itself; why, once it has.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<EndReason>, GuestVmError> {
+        self.vm.wait_timeout(timeout)
     }
 
     /// Stops the guest (bounded) and waits for it to end.
     pub fn stop(&mut self) -> Result<(), GuestVmError> {
-        match &mut self.running {
-            Running::Kvm(h) => {
-                h.stop();
-                match h.wait() {
-                    Ok(_) | Err(vmm::VmmError::AlreadyWaited) => Ok(()),
-                    Err(e) => Err(e.into()),
-                }
-            }
-            Running::Qemu(vm) => vm.stop().map(|_| ()).map_err(Into::into),
-        }
+        self.vm.stop()
     }
 }
 
@@ -399,16 +524,10 @@ mod tests {
     use super::*;
 
     fn spec(level: Option<&str>, hostname: Option<&str>) -> GuestSpec {
-        GuestSpec {
-            kernel: PathBuf::from("/k"),
-            initrd: PathBuf::from("/i"),
-            vcpus: 1,
-            memory_mib: 128,
-            work_dir: PathBuf::from("/w"),
-            agent_log_level: level.map(str::to_owned),
-            hostname: hostname.map(str::to_owned),
-            nics: Vec::new(),
-        }
+        let mut spec = GuestSpec::new("/k".into(), "/i".into(), 1, 128, "/w".into());
+        spec.agent_log_level = level.map(str::to_owned);
+        spec.hostname = hostname.map(str::to_owned);
+        spec
     }
 
     #[test]
@@ -425,5 +544,20 @@ mod tests {
         );
         assert_eq!(spec(None, Some(&"x".repeat(65))).cmdline_extra(), "");
         assert_eq!(spec(None, Some("")).cmdline_extra(), "");
+    }
+
+    #[test]
+    fn an_end_reports_the_real_status_or_255() {
+        assert_eq!(
+            EndReason::BackendExited(ExitStatus::from_raw(1 << 8)).status(),
+            1
+        );
+        // Killed by SIGKILL (raw wait status 9): 128 + 9.
+        assert_eq!(
+            EndReason::BackendExited(ExitStatus::from_raw(9)).status(),
+            137
+        );
+        assert_eq!(EndReason::GuestReset.status(), 255);
+        assert_eq!(EndReason::Lost("x".into()).status(), 255);
     }
 }

@@ -1,6 +1,6 @@
 //! Host side of an app container's files in the pod's shared directory: its rootfs (the mounts
 //! containerd passes in CreateTaskRequest.rootfs, usually one overlay) at `shared/<cid>/rootfs`,
-//! and the spec's bind-mount sources at `shared/<cid>/mounts/<n>` ([`crate::task::guest_spec`]).
+//! and the spec's bind-mount sources at `shared/<cid>/mounts/<n>` ([`crate::sandbox::spec`]).
 //! Every mount point is recorded in the pod's state directory before it is mounted, so a cleanup
 //! after a crash finds it; [`unshare_container`] undoes one container.
 
@@ -10,8 +10,8 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use crate::task::guest_spec::ShareBind;
-use crate::task::state_dir::{mounts_under, StateDir};
+use crate::sandbox::spec::ShareBind;
+use crate::state::{mounts_under, StateDir};
 
 /// One rootfs mount as containerd passes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,7 +33,7 @@ pub enum ShareError {
     #[error("mounting the rootfs at {path}: {message}")]
     Rootfs { path: PathBuf, message: String },
     #[error(transparent)]
-    State(#[from] crate::task::state_dir::StateError),
+    State(#[from] crate::state::StateError),
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ShareError + 'a {

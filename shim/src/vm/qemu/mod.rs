@@ -14,18 +14,27 @@
 //! and drop. Children are also sent SIGKILL by the kernel if the thread that started them exits
 //! (`PR_SET_PDEATHSIG` is tied to the spawning *thread*): start a VM from a thread that outlives it.
 
-use std::fs::{self, File};
+use std::fs;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::host_check::KvmKind;
 
+mod cmdline;
+mod config;
+mod process;
+
+pub use cmdline::host_tsc_khz;
+use cmdline::{kernel_cmdline, qemu_args};
+pub use config::{QemuConfig, QemuNic, QemuSharedFs, DEFAULT_VIRTIOFSD, MAX_NICS, NIC_FD_BASE};
+use process::{
+    create_file, kill_and_reap, pass_nic_fds, spawn_tied_to_parent, tail_of_file, terminate,
+    VmPaths,
+};
 /// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
 /// How often child processes and files are polled while waiting.
@@ -39,6 +48,9 @@ const TAIL_LINES: usize = 20;
 /// The kernel's default `CONFIG_HZ` (Kconfig `HZ_250`), used when the kernel's config is not
 /// found beside it.
 const DEFAULT_HZ: u64 = 250;
+
+/// The QEMU binary, looked up on PATH.
+pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
 
 /// The vhost-device-vsock version scripts/install-vhost-device-vsock.sh installs.
 pub const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
@@ -85,153 +97,6 @@ impl Accel {
             KvmKind::Hardware | KvmKind::Nested | KvmKind::SvmEmulatedByQemuTcg => Accel::Kvm,
             KvmKind::Pvm | KvmKind::Unknown | KvmKind::None => Accel::Tcg,
         }
-    }
-}
-
-/// What to boot and how. [`QemuConfig::new`] fills in the defaults.
-#[derive(Debug, Clone)]
-pub struct QemuConfig {
-    /// Uncompressed ELF `vmlinux` (booted through its PVH note) or a bzImage.
-    pub kernel: PathBuf,
-    /// The initramfs (the agent as `/init`).
-    pub initrd: PathBuf,
-    /// vCPUs, 1..=255.
-    pub vcpus: u32,
-    /// Guest memory in MiB, 16..=1 TiB.
-    pub memory_mib: u32,
-    /// Appended to the kernel command line after ours.
-    pub cmdline_extra: String,
-    /// Default `qemu-system-x86_64` (looked up on PATH).
-    pub qemu_binary: PathBuf,
-    /// The `vhost-device-vsock` binary (scripts/install-vhost-device-vsock.sh prints its path).
-    pub vhost_vsock_binary: PathBuf,
-    /// Where the sockets and logs live; created if missing. One VM per work dir.
-    pub work_dir: PathBuf,
-    /// The guest's vsock CID (default 3).
-    pub guest_cid: u32,
-    /// Default [`Accel::Auto`].
-    pub accel: Accel,
-    /// Where the guest's serial console goes; kept after the VM ends. `None`: a file in the work
-    /// dir, removed with the VM.
-    pub console_log: Option<PathBuf>,
-    /// How long [`QemuVm::start`] waits for the guest's first console output (default 60 s).
-    pub start_timeout: Duration,
-    /// A host directory exported to the guest over virtio-fs (served by `virtiofsd`).
-    pub shared_fs: Option<QemuSharedFs>,
-    /// The virtiofsd binary (default: Debian QEMU's `/usr/lib/qemu/virtiofsd`).
-    pub virtiofsd_binary: PathBuf,
-    /// Network cards, in order (eth0 first).
-    pub nics: Vec<QemuNic>,
-}
-
-/// A network card: a virtio-net device on a tap the caller opened in the pod netns.
-#[derive(Debug, Clone)]
-pub struct QemuNic {
-    /// The tap (opened with `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`); QEMU gets a copy as fd
-    /// [`NIC_FD_BASE`] + its index (`-netdev tap,fd=`).
-    pub tap: Arc<OwnedFd>,
-    /// The guest NIC's MAC.
-    pub mac: [u8; 6],
-    /// The guest NIC's MTU (virtio-net's `host_mtu`).
-    pub mtu: u16,
-}
-
-/// The fd number QEMU finds its first NIC's tap at (then one more per NIC): above the few fds
-/// QEMU has open when it parses `-netdev`.
-pub const NIC_FD_BASE: RawFd = 100;
-
-/// At most this many NICs.
-pub const MAX_NICS: usize = 8;
-
-/// A directory the guest mounts with `mount -t virtiofs <tag> <dir>`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QemuSharedFs {
-    /// The virtio-fs tag.
-    pub tag: String,
-    /// The host directory served.
-    pub host_dir: PathBuf,
-}
-
-/// Where Debian's qemu-system-x86 package puts virtiofsd.
-pub const DEFAULT_VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
-
-impl QemuConfig {
-    /// A config with the defaults: 1 vCPU, 256 MiB, CID 3, [`Accel::Auto`].
-    pub fn new(
-        kernel: impl Into<PathBuf>,
-        initrd: impl Into<PathBuf>,
-        vhost_vsock_binary: impl Into<PathBuf>,
-        work_dir: impl Into<PathBuf>,
-    ) -> Self {
-        QemuConfig {
-            kernel: kernel.into(),
-            initrd: initrd.into(),
-            vcpus: 1,
-            memory_mib: 256,
-            cmdline_extra: String::new(),
-            qemu_binary: PathBuf::from("qemu-system-x86_64"),
-            vhost_vsock_binary: vhost_vsock_binary.into(),
-            work_dir: work_dir.into(),
-            guest_cid: 3,
-            accel: Accel::Auto,
-            console_log: None,
-            start_timeout: Duration::from_secs(60),
-            shared_fs: None,
-            nics: Vec::new(),
-            virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
-        }
-    }
-
-    fn validate(&self) -> Result<(), QemuError> {
-        if self.nics.len() > MAX_NICS {
-            return Err(QemuError::InvalidConfig(format!(
-                "{} network cards, at most {MAX_NICS}",
-                self.nics.len()
-            )));
-        }
-        if !(1..=255).contains(&self.vcpus) {
-            return Err(QemuError::InvalidConfig(format!(
-                "vcpus must be 1..=255, got {}",
-                self.vcpus
-            )));
-        }
-        if !(16..=1 << 20).contains(&self.memory_mib) {
-            return Err(QemuError::InvalidConfig(format!(
-                "memory_mib must be 16..=1048576, got {}",
-                self.memory_mib
-            )));
-        }
-        // CIDs 0..=2 are reserved (hypervisor, local, host); u32::MAX is VMADDR_CID_ANY.
-        if self.guest_cid < 3 || self.guest_cid == u32::MAX {
-            return Err(QemuError::InvalidConfig(format!(
-                "guest_cid must be >= 3 and not {}, got {}",
-                u32::MAX,
-                self.guest_cid
-            )));
-        }
-        if let Some(fs) = &self.shared_fs {
-            // virtio-fs tags are at most 36 bytes; a comma would end QEMU's option value.
-            if fs.tag.is_empty() || fs.tag.len() > 36 || fs.tag.contains([',', '\0']) {
-                return Err(QemuError::InvalidConfig(format!(
-                    "shared_fs tag must be 1..=36 bytes without commas, got {:?}",
-                    fs.tag
-                )));
-            }
-            if !fs.host_dir.is_dir() {
-                return Err(QemuError::InvalidConfig(format!(
-                    "shared_fs directory {} is not a directory",
-                    fs.host_dir.display()
-                )));
-            }
-        }
-        for (what, path) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
-            File::open(path).map_err(|source| QemuError::Unreadable {
-                what,
-                path: path.clone(),
-                source,
-            })?;
-        }
-        Ok(())
     }
 }
 
@@ -299,104 +164,6 @@ pub enum QemuError {
         pid: u32,
         source: io::Error,
     },
-}
-
-/// The files of one VM in its work dir.
-#[derive(Debug, Clone)]
-struct VmPaths {
-    /// vhost-user control socket between QEMU and vhost-device-vsock.
-    vhost_socket: PathBuf,
-    /// The hybrid-vsock host socket.
-    vsock_uds: PathBuf,
-    /// vhost-user socket between QEMU and virtiofsd.
-    virtiofs_socket: PathBuf,
-    qemu_stderr: PathBuf,
-    backend_stderr: PathBuf,
-    virtiofsd_stderr: PathBuf,
-    console_log: PathBuf,
-    /// Whether `console_log` is ours to remove.
-    console_is_ours: bool,
-    work_dir: PathBuf,
-    /// Whether we created the work dir (then it is removed when empty).
-    work_dir_is_ours: bool,
-}
-
-impl VmPaths {
-    fn new(cfg: &QemuConfig) -> Result<Self, QemuError> {
-        let work_dir_is_ours = !cfg.work_dir.exists();
-        fs::create_dir_all(&cfg.work_dir).map_err(|source| QemuError::CreateFile {
-            path: cfg.work_dir.clone(),
-            source,
-        })?;
-        let console_is_ours = cfg.console_log.is_none();
-        let paths = VmPaths {
-            vhost_socket: cfg.work_dir.join("vhost-user-vsock.sock"),
-            vsock_uds: cfg.work_dir.join("vsock.sock"),
-            virtiofs_socket: cfg.work_dir.join("virtiofsd.sock"),
-            qemu_stderr: cfg.work_dir.join("qemu.stderr"),
-            backend_stderr: cfg.work_dir.join("vhost-device-vsock.stderr"),
-            virtiofsd_stderr: cfg.work_dir.join("virtiofsd.stderr"),
-            console_log: cfg
-                .console_log
-                .clone()
-                .unwrap_or_else(|| cfg.work_dir.join("console.log")),
-            console_is_ours,
-            work_dir: cfg.work_dir.clone(),
-            work_dir_is_ours,
-        };
-        for sock in [
-            &paths.vhost_socket,
-            &paths.vsock_uds,
-            &paths.virtiofs_socket,
-        ] {
-            let len = sock.as_os_str().len();
-            if len > MAX_SOCKET_PATH {
-                paths.remove_all();
-                return Err(QemuError::SocketPathTooLong {
-                    path: sock.clone(),
-                    len,
-                });
-            }
-        }
-        // Leftovers of a VM that died with its parent: the sockets are re-created below.
-        for stale in [
-            &paths.vhost_socket,
-            &paths.vsock_uds,
-            &paths.virtiofs_socket,
-        ] {
-            let _ = fs::remove_file(stale);
-        }
-        Ok(paths)
-    }
-
-    /// Removes the sockets (once the VM has ended nobody can use them).
-    fn remove_sockets(&self) {
-        for f in [&self.vhost_socket, &self.vsock_uds, &self.virtiofs_socket] {
-            let _ = fs::remove_file(f);
-        }
-    }
-
-    /// Removes every file we created (the caller's console log excepted).
-    fn remove_all(&self) {
-        let mut files = vec![
-            &self.vhost_socket,
-            &self.vsock_uds,
-            &self.virtiofs_socket,
-            &self.qemu_stderr,
-            &self.backend_stderr,
-            &self.virtiofsd_stderr,
-        ];
-        if self.console_is_ours {
-            files.push(&self.console_log);
-        }
-        for f in files {
-            let _ = fs::remove_file(f);
-        }
-        if self.work_dir_is_ours {
-            // Only succeeds when empty: files others put there are never removed.
-            let _ = fs::remove_dir(&self.work_dir);
-        }
-    }
 }
 
 /// A running guest under QEMU with its vsock backend. Dropping it kills and reaps both
@@ -765,276 +532,9 @@ impl Drop for QemuVm {
     }
 }
 
-/// `console=ttyS0 reboot=t panic=-1 tsc_early_khz=… lpj=…` plus the caller's extra.
-///
-/// `-M microvm` has no timer the kernel can calibrate the TSC against, so the TSC frequency is
-/// given: under TCG and KVM the guest's TSC ticks at the host's TSC rate, measured here once.
-/// `lpj` (loops per jiffy; the delay loop uses the TSC) = TSC Hz / CONFIG_HZ skips the slow
-/// delay-loop calibration. `reboot=t`: a guest reboot triple-faults, and `-no-reboot` makes QEMU
-/// exit. `panic=-1`: a panic reboots at once, so QEMU exits instead of hanging.
-fn kernel_cmdline(cfg: &QemuConfig) -> String {
-    let tsc_khz = host_tsc_khz();
-    let hz = kernel_hz(&cfg.kernel).unwrap_or(DEFAULT_HZ);
-    let lpj = tsc_khz.saturating_mul(1000) / hz.max(1);
-    let mut cmdline = format!("console=ttyS0 reboot=t panic=-1 tsc_early_khz={tsc_khz} lpj={lpj}");
-    let extra = cfg.cmdline_extra.trim();
-    if !extra.is_empty() {
-        cmdline.push(' ');
-        cmdline.push_str(extra);
-    }
-    cmdline
-}
-
-fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec<String> {
-    let mem = format!("{}M", cfg.memory_mib);
-    let mut args: Vec<String> = Vec::new();
-    let mut push = |a: &[&str]| args.extend(a.iter().map(|s| s.to_string()));
-    // acpi=off: our kernel has no ACPI; QEMU then puts the virtio-mmio devices on the kernel
-    // command line (auto-kernel-cmdline) and its firmware (qboot) writes an MP table listing
-    // every vCPU. The guest RAM is a shared memfd so vhost-device-vsock can map it.
-    // force-legacy=false: QEMU's virtio-mmio defaults to the legacy (0.9) transport, which
-    // libvhost-user (virtiofsd) refuses with a panic at the first request; our kernel and
-    // vhost-device-vsock speak virtio 1.x.
-    push(&[
-        "-M",
-        "microvm,acpi=off,memory-backend=mem",
-        "-global",
-        "virtio-mmio.force-legacy=false",
-        "-nodefaults",
-        "-no-user-config",
-        "-nographic",
-        "-no-reboot",
-    ]);
-    match cfg.accel.resolve() {
-        Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
-        _ => push(&["-accel", "tcg"]),
-    }
-    let smp = cfg.vcpus.to_string();
-    let memfd = format!("memory-backend-memfd,id=mem,size={mem},share=on");
-    let chardev = format!(
-        "socket,id=vsock,path={}",
-        qemu_opt_escape(&paths.vhost_socket)
-    );
-    let serial = format!("file:{}", paths.console_log.display());
-    let kernel = cfg.kernel.display().to_string();
-    let initrd = cfg.initrd.display().to_string();
-    push(&[
-        "-m",
-        &mem,
-        "-smp",
-        &smp,
-        "-object",
-        &memfd,
-        "-chardev",
-        &chardev,
-        "-device",
-        "vhost-user-vsock-device,chardev=vsock",
-    ]);
-    if let Some(shared) = &cfg.shared_fs {
-        let chardev = format!(
-            "socket,id=fs0,path={}",
-            qemu_opt_escape(&paths.virtiofs_socket)
-        );
-        let device = format!("vhost-user-fs-device,chardev=fs0,tag={}", shared.tag);
-        push(&["-chardev", &chardev, "-device", &device]);
-    }
-    for (i, nic) in cfg.nics.iter().enumerate() {
-        // vhost=off: the kernel's vhost-net would be one more host surface for the guest.
-        let netdev = format!("tap,id=net{i},fd={},vhost=off", NIC_FD_BASE + i as RawFd);
-        let device = format!(
-            "virtio-net-device,netdev=net{i},mac={},host_mtu={}",
-            mac_string(&nic.mac),
-            nic.mtu
-        );
-        push(&["-netdev", &netdev, "-device", &device]);
-    }
-    push(&[
-        "-serial", &serial, "-kernel", &kernel, "-initrd", &initrd, "-append", cmdline,
-    ]);
-    args
-}
-
-/// `aa:bb:cc:dd:ee:ff`.
-fn mac_string(mac: &[u8; 6]) -> String {
-    mac.iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":")
-}
-
-/// QEMU option values escape a comma by doubling it.
-fn qemu_opt_escape(path: &Path) -> String {
-    path.display().to_string().replace(',', ",,")
-}
-
-/// The host's TSC frequency in kHz, measured once per process against CLOCK_MONOTONIC_RAW.
-pub fn host_tsc_khz() -> u64 {
-    static TSC_KHZ: OnceLock<u64> = OnceLock::new();
-    *TSC_KHZ.get_or_init(measure_tsc_khz)
-}
-
-fn measure_tsc_khz() -> u64 {
-    // Three 20 ms windows; the largest estimate is the one least disturbed by preemption
-    // between reading the clock and the TSC (a preemption there shortens the TSC delta).
-    (0..3)
-        .map(|_| {
-            let (t0, c0) = clock_and_tsc();
-            thread::sleep(Duration::from_millis(20));
-            let (t1, c1) = clock_and_tsc();
-            let ns = t1.saturating_sub(t0).max(1);
-            // cycles * 10^6 / ns = kHz
-            (u128::from(c1.wrapping_sub(c0)) * 1_000_000 / u128::from(ns)) as u64
-        })
-        .max()
-        .unwrap_or(1_000_000)
-}
-
-fn clock_and_tsc() -> (u64, u64) {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes only into the timespec we own; CLOCK_MONOTONIC_RAW exists
-    // on every Linux since 2.6.28.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_RAW, &mut ts) };
-    // SAFETY: rdtsc has no memory effects and exists on every x86_64 CPU.
-    let tsc = unsafe { core::arch::x86_64::_rdtsc() };
-    let ns = (ts.tv_sec as u64)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(ts.tv_nsec as u64);
-    (ns, tsc)
-}
-
-/// `CONFIG_HZ` from the kernel config kept beside the kernel (`config`, as kernel-config/build.sh
-/// stores it; build/vmlinux is a link into that cache folder).
-fn kernel_hz(kernel: &Path) -> Option<u64> {
-    let real = fs::canonicalize(kernel).ok()?;
-    let config = fs::read_to_string(real.parent()?.join("config")).ok()?;
-    config
-        .lines()
-        .find_map(|l| l.strip_prefix("CONFIG_HZ="))
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|hz: &u64| *hz > 0)
-}
-
-fn create_file(path: &Path) -> Result<File, QemuError> {
-    File::create(path).map_err(|source| QemuError::CreateFile {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-/// Spawns `cmd` so that the kernel sends it SIGKILL when the spawning thread exits.
-/// Gives the child the NICs' taps as fds [`NIC_FD_BASE`].. (dup2 clears close-on-exec on the
-/// copy only; the shim's own fds stay close-on-exec).
-fn pass_nic_fds(cmd: &mut Command, nics: &[QemuNic]) {
-    if nics.is_empty() {
-        return;
-    }
-    let fds: Vec<RawFd> = nics.iter().map(|n| n.tap.as_raw_fd()).collect();
-    // SAFETY: the closure runs in the forked child before exec; dup2 is async-signal-safe, the
-    // source fds are open (the `Arc<OwnedFd>`s in `nics` outlive the spawn) and the vector was
-    // allocated before the fork, so nothing allocates or locks here.
-    unsafe {
-        cmd.pre_exec(move || {
-            // First above the target range (a source may sit where another NIC's copy goes, or
-            // at its own target, where dup2 would keep close-on-exec), then into place.
-            let above = NIC_FD_BASE + MAX_NICS as RawFd;
-            let mut moved = [-1; MAX_NICS];
-            for (slot, fd) in moved.iter_mut().zip(&fds) {
-                *slot = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, above);
-                if *slot < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            for (i, tmp) in moved.iter().take(fds.len()).enumerate() {
-                if libc::dup2(*tmp, NIC_FD_BASE + i as RawFd) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-}
-
-fn spawn_tied_to_parent(cmd: &mut Command, binary: &Path) -> Result<Child, QemuError> {
-    let parent = std::process::id();
-    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
-    // functions (prctl, getppid, _exit); it touches no locks or allocations.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(
-                libc::PR_SET_PDEATHSIG,
-                libc::SIGKILL as libc::c_ulong,
-                0,
-                0,
-                0,
-            ) != 0
-            {
-                return Err(io::Error::last_os_error());
-            }
-            // The parent may have died between fork and prctl: then no signal would come.
-            if libc::getppid() as u32 != parent {
-                libc::_exit(1);
-            }
-            Ok(())
-        });
-    }
-    cmd.spawn().map_err(|source| QemuError::Spawn {
-        binary: binary.to_path_buf(),
-        source,
-    })
-}
-
-/// SIGTERM, a bounded wait, then SIGKILL; always reaps.
-fn terminate(child: &mut Child, binary: &Path) -> Result<ExitStatus, QemuError> {
-    let pid = child.id();
-    let wait_err = |source| QemuError::Wait {
-        binary: binary.to_path_buf(),
-        pid,
-        source,
-    };
-    if let Some(status) = child.try_wait().map_err(wait_err)? {
-        return Ok(status);
-    }
-    signal(child, libc::SIGTERM);
-    let deadline = Instant::now() + TERM_GRACE;
-    while Instant::now() < deadline {
-        if let Some(status) = child.try_wait().map_err(wait_err)? {
-            return Ok(status);
-        }
-        thread::sleep(POLL);
-    }
-    let _ = child.kill();
-    child.wait().map_err(wait_err)
-}
-
-fn signal(child: &Child, sig: libc::c_int) {
-    let Ok(pid) = libc::pid_t::try_from(child.id()) else {
-        return;
-    };
-    // SAFETY: `child` has not been reaped (we hold it and only reap through it), so `pid` is
-    // still our child, not a recycled pid.
-    unsafe { libc::kill(pid, sig) };
-}
-
-fn kill_and_reap(mut child: Child) {
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
-/// The last `lines` lines of a (small) log file; empty if unreadable.
-fn tail_of_file(path: &Path, lines: usize) -> String {
-    let Ok(bytes) = fs::read(path) else {
-        return String::new();
-    };
-    let text = String::from_utf8_lossy(&bytes);
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
-}
-
 #[cfg(test)]
 mod tests {
+    use super::cmdline::{kernel_hz, qemu_opt_escape};
     use super::*;
 
     fn cfg_in(dir: &Path) -> QemuConfig {

@@ -1,3 +1,7 @@
+//! The one place that knows both the OCI spec and the VM: the VM's size from the pod's
+//! annotations ([`vm_size`]), what a pod may not ask of a VM ([`refuse_host_namespaces`]), its
+//! sysctls, and an app container's spec rewritten for the guest.
+//!
 //! Rewriting an app container's OCI spec from host paths to guest paths, before it goes to the
 //! agent's CreateContainer (as JSON: the spec is never re-modelled, design.md 4).
 //!
@@ -16,9 +20,12 @@
 //! - `linux.cgroupsPath` and `hooks` are removed (host cgroups and host binaries mean nothing in
 //!   the guest; the agent picks the cgroup).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use serde_json::Value;
+
+use crate::config::Config;
 
 pub use agent_protocol::{GUEST_SHARED_DIR, POD_PID_NAMESPACE, SHARED_FS_TAG};
 
@@ -282,10 +289,113 @@ pub fn refuse_host_namespaces(sandbox_spec: &Value) -> Option<String> {
     ))
 }
 
+/// Annotation: the pod's summed CPU quota (microseconds per period).
+pub const ANN_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
+/// Annotation: the CPU period the quota is measured in (microseconds).
+pub const ANN_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
+/// Annotation: the pod's summed memory limit in bytes.
+pub const ANN_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
+
+/// The size of a pod's VM from its sandbox annotations (design.md 3): vCPUs from
+/// `io.kubernetes.cri.sandbox-cpu-quota` / `-cpu-period` (rounded up, capped at `max_vcpus`),
+/// memory from `io.kubernetes.cri.sandbox-memory` plus the guest's own base (capped at
+/// `max_memory_mib`); the config's defaults where the pod sets no limits.
+pub fn vm_size(config: &Config, annotations: &HashMap<String, String>) -> Result<VmSize, String> {
+    let num = |key: &str| -> Result<Option<i64>, String> {
+        annotations
+            .get(key)
+            .map(|v| {
+                v.trim()
+                    .parse::<i64>()
+                    .map_err(|_| format!("annotation {key}={v:?} is not a number"))
+            })
+            .transpose()
+    };
+    let vcpus = match (num(ANN_CPU_QUOTA)?, num(ANN_CPU_PERIOD)?) {
+        (Some(quota), Some(period)) if quota > 0 && period > 0 => {
+            // ceil(quota / period): a pod limited to 1.5 CPUs gets 2 vCPUs.
+            let n = quota.saturating_add(period - 1) / period;
+            u8::try_from(n.min(i64::from(config.max_vcpus))).unwrap_or(config.max_vcpus)
+        }
+        _ => config.default_vcpus,
+    };
+    let memory_mib = match num(ANN_MEMORY)? {
+        Some(bytes) if bytes > 0 => {
+            let mib = (bytes as u64).div_ceil(1 << 20);
+            mib.saturating_add(config.guest_base_memory_mib)
+                .min(config.max_memory_mib)
+        }
+        _ => config.default_memory_mib,
+    };
+    Ok(VmSize { vcpus, memory_mib })
+}
+
+/// How big a pod's VM is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmSize {
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest memory in MiB.
+    pub memory_mib: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn sizes_vm_from_annotations() {
+        let c = Config::default();
+        let vm_size = |a: &HashMap<String, String>| vm_size(&c, a);
+        assert_eq!(
+            vm_size(&HashMap::new()).unwrap(),
+            VmSize {
+                vcpus: 1,
+                memory_mib: 256
+            }
+        );
+        let s = vm_size(&ann(&[
+            (ANN_CPU_QUOTA, "150000"),
+            (ANN_CPU_PERIOD, "100000"),
+            (ANN_MEMORY, "268435456"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            s,
+            VmSize {
+                vcpus: 2,
+                memory_mib: 256 + 128
+            }
+        );
+        // Unlimited (quota -1, memory 0) means the defaults.
+        let s = vm_size(&ann(&[
+            (ANN_CPU_QUOTA, "-1"),
+            (ANN_CPU_PERIOD, "100000"),
+            (ANN_MEMORY, "0"),
+        ]))
+        .unwrap();
+        assert_eq!(s.vcpus, 1);
+        assert_eq!(s.memory_mib, 256);
+        // Capped at the maxima.
+        let s = vm_size(&ann(&[
+            (ANN_CPU_QUOTA, "100000000"),
+            (ANN_CPU_PERIOD, "1000"),
+            (ANN_MEMORY, "9223372036854775807"),
+        ]))
+        .unwrap();
+        assert_eq!(s.vcpus, 16);
+        assert_eq!(s.memory_mib, 64 * 1024);
+        let e = vm_size(&ann(&[(ANN_MEMORY, "lots")])).unwrap_err();
+        assert!(e.contains(ANN_MEMORY), "{e}");
+    }
 
     #[test]
     fn a_target_pid_namespace_becomes_the_target_container_in_the_guest() {

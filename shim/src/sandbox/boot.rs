@@ -1,0 +1,237 @@
+//! A pod's boot, every step in order ([`Sandbox::boot`]):
+//!
+//! 1. the VM backend: the config's choice, checked against this host (`host_check`);
+//! 2. the VM's size, from the pod's annotations ([`spec::vm_size`]);
+//! 3. the pod's state directory, which records the shim's pid (crash cleanup starts here);
+//! 4. the network: a tap per CNI interface in the pod netns the sandbox spec names, redirected
+//!    both ways (`resources::network`, recorded in the state directory before anything is made);
+//! 5. storage: the pod's shared folder, exported to the guest over virtio-fs;
+//! 6. the guest spec (kernel, initrd, size, hostname, log level, share, NICs, QEMU programs);
+//! 7. the VM, on its own thread: started, its host processes recorded, then the agent's ready
+//!    event awaited (`vm::ready`);
+//! 8. the agent: connected and checked;
+//! 9. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
+//!    addresses and routes;
+//! 10. the pod's sysctls, written in the guest before any container exists.
+//!
+//! A step that fails undoes the steps before it (the VM stopped, then the network and the state
+//! directory released: [`release_host_resources`]) and says which step failed. Cgroups and
+//! devices join as steps of their own here.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::agent::{AgentClient, AgentError};
+use crate::config::{Config, Hypervisor};
+use crate::host_check;
+use crate::resources::network;
+use crate::state::{state_root, StateDir};
+use crate::task::bundle;
+use crate::vm::thread::{BootError, VmThread};
+use crate::vm::{Backend, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS};
+
+use super::{release_host_resources, spec, Sandbox, SandboxError};
+
+/// How long connecting to a ready agent may take.
+const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The status a VM stopped after a failed boot step reports.
+const DISCARDED_STATUS: u32 = 137;
+/// Console lines quoted in errors.
+const TAIL_LINES: usize = 20;
+
+/// What a pod's boot needs.
+pub struct BootRequest<'a> {
+    /// The pod's id.
+    pub id: &'a str,
+    /// The pod's (or standalone container's) OCI spec.
+    pub spec: &'a serde_json::Value,
+    /// The spec's annotations.
+    pub annotations: &'a HashMap<String, String>,
+    /// The shim's config for this pod.
+    pub config: Config,
+    /// The pod's sysctls (name -> value), already checked ([`spec::pod_sysctls`]).
+    pub sysctls: HashMap<String, String>,
+}
+
+impl Sandbox {
+    /// Boots pod `req.id`: the steps of this module's doc, in order.
+    pub async fn boot(req: BootRequest<'_>) -> Result<Sandbox, SandboxError> {
+        let id = req.id;
+        let config = &req.config;
+        // 1. The backend.
+        let backend = choose_backend(id, config)?;
+        // 2. The size.
+        let size = spec::vm_size(config, req.annotations).map_err(SandboxError::Size)?;
+        // 3. The state directory.
+        let state = StateDir::new(&state_root(), id).map_err(SandboxError::StateName)?;
+        state
+            .create(std::process::id())
+            .map_err(SandboxError::State)?;
+        // 4. The network, in the pod netns containerd ran CNI in.
+        let network = match bundle::network_namespace(req.spec) {
+            Some(netns) => match network::setup(&netns, &state.network_record()).await {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    if let Err(c) = release_host_resources(&state).await {
+                        log::warn!("cleaning up after a failed network setup: {c}");
+                    }
+                    return Err(e.into());
+                }
+            },
+            None => None,
+        };
+        let (nics, network_request) = match network {
+            Some(n) => {
+                let request = network::configure_network_request(n.guest_interfaces());
+                let nics = n.nics.into_iter().map(|nic| GuestNic {
+                    mac: nic.guest.mac.0,
+                    // The kernel's MTU of a CNI interface is at most 65535.
+                    mtu: u16::try_from(nic.guest.mtu).unwrap_or(u16::MAX),
+                    tap: Arc::new(nic.tap.into_owned_fd()),
+                });
+                (nics.collect(), Some(request))
+            }
+            None => (Vec::new(), None),
+        };
+        // 5. Storage: the shared folder.
+        let shared_dir = state.shared_dir();
+        if let Err(source) = std::fs::create_dir_all(&shared_dir) {
+            let _ = release_host_resources(&state).await;
+            return Err(SandboxError::SharedDir {
+                path: shared_dir,
+                source,
+            });
+        }
+        // 6. The guest spec.
+        let mut guest = GuestSpec::new(
+            config.kernel.clone(),
+            config.initrd.clone(),
+            size.vcpus,
+            size.memory_mib,
+            state.vm_dir(),
+        );
+        guest.agent_log_level = Some(config.log_level.clone());
+        guest.hostname = req.spec["hostname"].as_str().map(str::to_owned);
+        guest.shared = Some(SharedDir {
+            tag: spec::SHARED_FS_TAG.to_string(),
+            host_dir: shared_dir,
+        });
+        guest.nics = nics;
+        guest.qemu = QemuPrograms {
+            qemu: config.qemu.binary.clone(),
+            vhost_vsock: config.qemu.vhost_vsock_binary.clone(),
+        };
+        log::info!(
+            "sandbox {id}: booting a {backend} VM with {} vCPUs, {} MiB",
+            size.vcpus,
+            size.memory_mib
+        );
+        // 7. The VM, up to the agent's ready event.
+        let record_in = state.clone();
+        let record = Box::new(move |pids: &[u32]| {
+            record_in
+                .record_vm_processes(pids)
+                .map_err(|e| e.to_string())
+        });
+        let vm = match VmThread::boot(backend, guest, record).await {
+            Ok(vm) => vm,
+            Err(e) => {
+                if let Err(c) = release_host_resources(&state).await {
+                    log::warn!("cleaning up after a failed boot: {c}");
+                }
+                return Err(e.into());
+            }
+        };
+        // 8. The agent.
+        let (agent, info) = match connect_agent(vm.agent_socket()).await {
+            Ok(pair) => pair,
+            Err(e) => {
+                let tail = vm.console_tail(TAIL_LINES);
+                let sandbox_err = SandboxError::Boot(BootError::Agent(format!(
+                    "{e}; console ends with:\n{tail}"
+                )));
+                discard(id, &vm, &state, UNKNOWN_STATUS).await;
+                return Err(sandbox_err);
+            }
+        };
+        log::info!(
+            "sandbox {id}: VM ready ({}), guest kernel {}, boot id {}",
+            vm.detail(),
+            info.kernel_release,
+            info.boot_id
+        );
+        // 9. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
+        if let Some(request) = network_request {
+            if let Err(source) = agent.configure_network(request).await {
+                discard(id, &vm, &state, DISCARDED_STATUS).await;
+                return Err(SandboxError::Agent {
+                    what: format!("sandbox {id}: configuring the pod network in the guest"),
+                    source,
+                });
+            }
+        }
+        // 10. The pod's sysctls go to the VM's namespaces, which its containers share, before
+        // any container exists; a sysctl the guest refuses fails the pod, naming it.
+        if !req.sysctls.is_empty() {
+            if let Err(source) = agent.set_sysctls(req.sysctls).await {
+                discard(id, &vm, &state, DISCARDED_STATUS).await;
+                return Err(SandboxError::Agent {
+                    what: format!("sandbox {id}: setting the pod's sysctls in the guest"),
+                    source,
+                });
+            }
+        }
+        Ok(Sandbox {
+            id: id.to_string(),
+            state,
+            vm,
+            agent,
+            info,
+        })
+    }
+}
+
+/// Step 1: the config's hypervisor on this host.
+fn choose_backend(id: &str, config: &Config) -> Result<Backend, SandboxError> {
+    Ok(match config.hypervisor {
+        Hypervisor::Auto => {
+            let report = host_check::probe(Some(&config.kernel));
+            let choice = host_check::choose_backend(&report);
+            log::info!("sandbox {id}: hypervisor auto -> {choice}");
+            choice.backend
+        }
+        Hypervisor::Kvm => {
+            let report = host_check::probe(Some(&config.kernel));
+            if let Some(reason) = report.linux_guest_blocker() {
+                return Err(SandboxError::KvmUnusable(reason));
+            }
+            Backend::Kvm
+        }
+        Hypervisor::Qemu => Backend::Qemu,
+    })
+}
+
+/// Step 7: the agent, reachable now that it reported ready, answers Check.
+async fn connect_agent(
+    socket: &Path,
+) -> Result<(AgentClient, crate::agent::AgentInfo), AgentError> {
+    let agent = AgentClient::connect(
+        socket,
+        agent_protocol::AGENT_VSOCK_PORT,
+        AGENT_CONNECT_TIMEOUT,
+    )
+    .await?;
+    let info = agent.check().await?;
+    Ok((agent, info))
+}
+
+/// Undoes a boot that failed after the VM started: the VM stopped, the host side released.
+async fn discard(id: &str, vm: &VmThread, state: &StateDir, status: u32) {
+    vm.stop(status);
+    vm.wait().await;
+    if let Err(c) = release_host_resources(state).await {
+        log::warn!("{id}: cleanup after a failed create: {c}");
+    }
+}

@@ -1,0 +1,131 @@
+//! An app container in the pod's VM. Adding one, in order: its spec rewritten for the guest
+//! ([`spec::rewrite_for_guest`]), its rootfs and bind sources mounted into the pod's shared
+//! folder (`resources::storage`), the container created in the agent, its stdio FIFOs attached to
+//! the agent's streams. A failed step undoes the ones before it. Removing one undoes them all.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use crate::agent::stdio::{self, Attached, Fifos};
+use crate::resources::storage::{self, RootfsMount};
+
+use super::{spec, Sandbox, SandboxError};
+
+/// Console lines quoted when a container operation fails.
+const CONSOLE_TAIL_LINES: usize = 20;
+
+/// An app container to add.
+pub struct NewContainer {
+    pub id: String,
+    /// The bundle folder (its `rootfs` is the root when containerd passes no rootfs mounts).
+    pub bundle: PathBuf,
+    /// The container's OCI spec, as containerd wrote it.
+    pub spec: serde_json::Value,
+    pub rootfs: Vec<RootfsMount>,
+    pub fifos: Fifos,
+    /// The pod's app containers by pid, for a spec that joins another's PID namespace.
+    pub pids: HashMap<u32, String>,
+}
+
+/// Why creating an app container in the guest failed, and whether the agent only did not
+/// answer in time (then the guest console says more than the error).
+struct CreateFailure {
+    message: String,
+    timed_out: bool,
+}
+
+impl From<String> for CreateFailure {
+    fn from(message: String) -> Self {
+        CreateFailure {
+            message,
+            timed_out: false,
+        }
+    }
+}
+
+impl Sandbox {
+    /// Adds app container `c` to the VM; returns its init's guest pid and stdio copies.
+    pub async fn add_container(&self, c: NewContainer) -> Result<(u32, Attached), SandboxError> {
+        let NewContainer {
+            id,
+            bundle,
+            mut spec,
+            rootfs,
+            fifos,
+            pids,
+        } = c;
+        spec::resolve_target_pid_namespace(&mut spec, &pids);
+        let binds = spec::rewrite_for_guest(&mut spec, &id, std::process::id())?;
+        let shared = {
+            let (state, id) = (self.state.clone(), id.clone());
+            let bundle_rootfs = bundle.join("rootfs");
+            tokio::task::spawn_blocking(move || {
+                storage::share_container(&state, &id, &rootfs, &bundle_rootfs, &binds)
+            })
+            .await
+            .map_err(|e| SandboxError::Task(e.to_string()))?
+        };
+        let was_shared = shared.is_ok();
+        let created: Result<(u32, Attached), CreateFailure> = async {
+            shared.map_err(|e| CreateFailure::from(e.to_string()))?;
+            let json = serde_json::to_vec(&spec).map_err(|e| CreateFailure::from(e.to_string()))?;
+            let request = agent_protocol::agent::CreateContainerRequest {
+                container_id: id.clone(),
+                oci_spec_json: json,
+                stdio: Some(fifos.agent_stdio()).into(),
+                ..Default::default()
+            };
+            let pid = self
+                .agent
+                .create_container(request)
+                .await
+                .map_err(|e| CreateFailure {
+                    message: e.to_string(),
+                    timed_out: e.is_timeout(),
+                })?;
+            match stdio::attach(self.agent_socket(), &id, "", &fifos).await {
+                Ok(attached) => Ok((pid, attached)),
+                Err(e) => {
+                    let _ = self.agent.remove_container(&id).await;
+                    Err(e.to_string().into())
+                }
+            }
+        }
+        .await;
+        let CreateFailure { message, timed_out } = match created {
+            Ok(done) => return Ok(done),
+            Err(failure) => failure,
+        };
+        if was_shared {
+            self.unshare(&id).await;
+        }
+        let tail = self.vm.console_tail(CONSOLE_TAIL_LINES);
+        log::warn!("creating container {id} failed: {message}; guest console ends with:\n{tail}");
+        // A timeout says nothing by itself: the guest's last words go to the user too.
+        let detail = if timed_out {
+            format!("{message}; guest console ends with:\n{tail}")
+        } else {
+            message
+        };
+        Err(SandboxError::Create { id, detail })
+    }
+
+    /// Removes app container `id` from the guest and its files from the shared folder.
+    pub async fn remove_container(&self, id: &str) {
+        if let Err(e) = self.agent.remove_container(id).await {
+            log::warn!("removing container {id} in the guest: {e}");
+        }
+        self.unshare(id).await;
+    }
+
+    async fn unshare(&self, id: &str) {
+        let (state, cid) = (self.state.clone(), id.to_string());
+        let undone =
+            tokio::task::spawn_blocking(move || storage::unshare_container(&state, &cid)).await;
+        match undone {
+            Ok(Err(e)) => log::warn!("unsharing container {id}: {e}"),
+            Err(e) => log::warn!("unsharing container {id}: {e}"),
+            Ok(Ok(())) => {}
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The pod: one VM with its agent and the host resources it uses. Everything that happens to a
+//! pod as a whole is here, in the order it happens:
+//!
+//! - [`boot`]: every step of a pod's boot, in order ([`Sandbox::boot`]), undone on failure;
+//! - [`container`]: an app container added to the VM (files shared, spec rewritten, created in
+//!   the agent, stdio attached) with its rollback, and removed again;
+//! - teardown ([`Sandbox::teardown`]): the VM stopped, the state directory cleaned up;
+//! - [`spec`]: the one place that knows both the OCI spec and the VM (the VM's size from the
+//!   pod's annotations, a container's spec rewritten for the guest, what a pod may not ask).
+//!
+//! The sandbox knows nothing of containerd's task API: [`crate::task`] calls it.
+
+pub mod boot;
+pub mod container;
+pub mod spec;
+
+use std::path::{Path, PathBuf};
+
+use containerd_shim_protos::ttrpc::Code;
+use tokio::sync::watch;
+
+use crate::agent::{AgentClient, AgentError, AgentInfo};
+use crate::config::ConfigError;
+use crate::resources::network::{self, NetworkError};
+use crate::resources::storage::ShareError;
+use crate::state::{StateDir, StateError};
+use crate::vm::thread::{BootError, VmThread};
+use crate::vm::VmEnd;
+
+pub use boot::BootRequest;
+pub use container::NewContainer;
+
+/// Why a pod operation failed; the message is what the CRI user reads.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(
+        "this host cannot boot the guest under KVM: {0} (hypervisor = \"qemu\" in the config \
+         runs it under QEMU)"
+    )]
+    KvmUnusable(String),
+    #[error("{0}")]
+    Size(String),
+    #[error("{0}")]
+    StateName(StateError),
+    #[error("{0}")]
+    State(StateError),
+    #[error("setting up the pod network: {0}")]
+    Network(#[from] NetworkError),
+    #[error("creating {path}: {source}")]
+    SharedDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    #[error("{what}: {source}")]
+    Agent { what: String, source: AgentError },
+    #[error("{0}")]
+    Spec(#[from] spec::SpecError),
+    #[error("creating container {id}: {detail}")]
+    Create { id: String, detail: String },
+    #[error("pod {pod} of container {id} is not served by this shim")]
+    OtherPod { pod: String, id: String },
+    #[error("{0}")]
+    Task(String),
+}
+
+impl SandboxError {
+    /// The ttrpc status code this failure maps to ([`crate::error::Error::code`]).
+    pub fn code(&self) -> Code {
+        match self {
+            SandboxError::Config(_)
+            | SandboxError::Size(_)
+            | SandboxError::StateName(_)
+            | SandboxError::Spec(_) => Code::INVALID_ARGUMENT,
+            SandboxError::KvmUnusable(_) | SandboxError::Network(_) => Code::FAILED_PRECONDITION,
+            SandboxError::State(_) | SandboxError::SharedDir { .. } | SandboxError::Task(_) => {
+                Code::INTERNAL
+            }
+            SandboxError::OtherPod { .. } => Code::NOT_FOUND,
+            SandboxError::Boot(_) | SandboxError::Agent { .. } | SandboxError::Create { .. } => {
+                Code::UNKNOWN
+            }
+        }
+    }
+}
+
+impl From<ShareError> for SandboxError {
+    fn from(e: ShareError) -> Self {
+        SandboxError::Task(e.to_string())
+    }
+}
+
+/// A running pod: its id, state directory, VM and checked agent.
+pub struct Sandbox {
+    id: String,
+    state: StateDir,
+    vm: VmThread,
+    agent: AgentClient,
+    info: AgentInfo,
+}
+
+impl Sandbox {
+    /// The pod's id (the sandbox container's, or a standalone container's own).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The connected agent (clones share its connection).
+    pub fn agent(&self) -> AgentClient {
+        self.agent.clone()
+    }
+
+    /// The VM's hybrid-vsock socket (the agent's stdio streams).
+    pub fn agent_socket(&self) -> &Path {
+        self.vm.agent_socket()
+    }
+
+    /// The guest's facts from the agent's Check at boot.
+    pub fn info(&self) -> &AgentInfo {
+        &self.info
+    }
+
+    /// A receiver that turns `Some` once the VM has ended.
+    pub fn ended(&self) -> watch::Receiver<Option<VmEnd>> {
+        self.vm.ended()
+    }
+
+    /// Whether the VM has ended.
+    pub fn has_ended(&self) -> bool {
+        self.vm.ended().borrow().is_some()
+    }
+
+    /// Asks the VM to stop; it reports `status` as its exit (128 + the signal of a Kill).
+    pub fn stop(&self, status: u32) {
+        self.vm.stop(status);
+    }
+
+    /// Stops the VM if it still runs (reporting `status`), waits for its end and releases the
+    /// pod's host side ([`release_host_resources`]). Returns the VM's end.
+    pub async fn teardown(&self, status: u32) -> VmEnd {
+        if !self.has_ended() {
+            self.vm.stop(status);
+        }
+        let end = self.vm.wait().await;
+        match release_host_resources(&self.state).await {
+            Ok(report) => log::info!("sandbox {}: cleaned up {report}", self.id),
+            Err(e) => log::warn!("sandbox {}: cleanup: {e}", self.id),
+        }
+        end
+    }
+}
+
+/// Undoes the pod's host side after its VM ended (or never started): the pod network (taps and
+/// tc filters in the pod netns, from the state directory's record), then the state directory
+/// (recorded processes, mounts). The same order as `<shim> delete` after a crash.
+pub(crate) async fn release_host_resources(state: &StateDir) -> Result<String, String> {
+    let network = network::teardown(&state.network_record())
+        .await
+        .map_err(|e| format!("tearing down the pod network: {e}"))?;
+    let state = state.clone();
+    let report = tokio::task::spawn_blocking(move || state.cleanup())
+        .await
+        .map_err(|e| format!("cleanup task: {e}"))?
+        .map_err(|e| e.to_string())?;
+    Ok(format!("network {network:?}, {report:?}"))
+}

@@ -1,0 +1,223 @@
+//! The shim's process-level commands (containerd's shim v2 protocol, through the
+//! `containerd-shim` crate): `start` spawns or reuses the pod's long-lived shim and prints its
+//! socket address; `delete` cleans up after a shim that is gone; the daemon serves the task API
+//! ([`crate::task::service`]).
+//!
+//! One shim per pod: the socket address is derived from the pod id (the sandbox id), so every
+//! container of a pod gets the same address; a container outside a pod gets its own.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use containerd_shim::asynchronous::{ExitSignal, Shim};
+use containerd_shim::publisher::RemotePublisher;
+use containerd_shim::{Config, Error, Flags, StartOpts};
+use containerd_shim_protos::api::DeleteResponse;
+use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
+
+use crate::state::{state_root, StateDir};
+use crate::task::bundle::{self, Role};
+use crate::task::options;
+use crate::task::service::TaskService;
+
+/// The runtime id containerd maps to `containerd-shim-microvm-v1`.
+pub const RUNTIME_ID: &str = "io.containerd.microvm.v1";
+/// Environment variable carrying the handler's `ConfigPath` from `start` to the daemon.
+pub const CONFIG_PATH_ENV: &str = "MICROVM_CONFIG_PATH";
+/// How long `start` waits for a freshly spawned daemon to serve.
+const DAEMON_START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The shim: `start`, `delete`, and the daemon's task service.
+pub struct MicrovmShim {
+    id: String,
+    namespace: String,
+    bundle: PathBuf,
+    exit: Arc<ExitSignal>,
+}
+
+#[async_trait]
+impl Shim for MicrovmShim {
+    type T = TaskService;
+
+    async fn new(_runtime_id: &str, args: &Flags, _config: &mut Config) -> Self {
+        let bundle = if args.bundle.is_empty() {
+            std::env::current_dir().unwrap_or_default()
+        } else {
+            PathBuf::from(&args.bundle)
+        };
+        MicrovmShim {
+            id: args.id.clone(),
+            namespace: args.namespace.clone(),
+            bundle,
+            exit: Arc::new(ExitSignal::default()),
+        }
+    }
+
+    async fn start_shim(&mut self, opts: StartOpts) -> Result<String, Error> {
+        // stdin: the handler's runtime options (runtimeoptions.v1.Options with ConfigPath).
+        let mut stdin = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut stdin);
+        let config_path = options::config_path_from_any_bytes(&stdin)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let spec = bundle::read_spec(&self.bundle).map_err(|e| Error::Other(e.to_string()))?;
+        let role = Role::from_annotations(&opts.id, &bundle::annotations(&spec));
+        let pod_id = role.pod_id(&opts.id).to_string();
+        let address = containerd_shim::socket_address(&opts.address, &opts.namespace, &pod_id);
+        if !socket_serves(&address).await {
+            spawn_daemon(&opts, &address, config_path.as_deref()).await?;
+        }
+        // containerd reads the address back from the bundle when it restarts.
+        let _ = std::fs::write(self.bundle.join("address"), &address);
+        Ok(address)
+    }
+
+    async fn delete_shim(&mut self) -> Result<DeleteResponse, Error> {
+        // Runs after the ttrpc connection closed. A pod whose shim still runs is left alone
+        // (its VM may run other containers); a pod whose shim is gone is cleaned up whole.
+        let pod_id = bundle::read_spec(&self.bundle)
+            .map(|spec| {
+                Role::from_annotations(&self.id, &bundle::annotations(&spec))
+                    .pod_id(&self.id)
+                    .to_string()
+            })
+            .unwrap_or_else(|_| self.id.clone());
+        let state =
+            StateDir::new(&state_root(), &pod_id).map_err(|e| Error::Other(e.to_string()))?;
+        let address = std::fs::read_to_string(self.bundle.join("address")).unwrap_or_default();
+        let address = address.trim();
+        let serving = !address.is_empty() && socket_serves(address).await;
+        if !serving && !state.shim_alive() {
+            // The pod network first: its record lives in the state directory.
+            crate::resources::network::teardown(&state.network_record())
+                .await
+                .map_err(|e| {
+                    Error::Other(format!("tearing down the network of pod {pod_id}: {e}"))
+                })?;
+            state.cleanup().map_err(|e| {
+                Error::Other(format!(
+                    "cleaning up pod {pod_id} in {}: {e}",
+                    state.path().display()
+                ))
+            })?;
+            // The dead shim's socket (a shim that exits normally removes it itself).
+            let socket = address.strip_prefix("unix://").unwrap_or(address);
+            if !socket.is_empty() {
+                let _ = std::fs::remove_file(socket);
+            }
+        }
+        let mut resp = DeleteResponse::new();
+        resp.exit_status = 137;
+        resp.exited_at = Some(timestamp(SystemTime::now())).into();
+        Ok(resp)
+    }
+
+    async fn wait(&mut self) {
+        self.exit.wait().await;
+    }
+
+    async fn create_task_service(&self, publisher: RemotePublisher) -> Self::T {
+        let config_path = std::env::var_os(CONFIG_PATH_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
+        TaskService::new(
+            self.namespace.clone(),
+            publisher,
+            self.exit.clone(),
+            config_path,
+        )
+    }
+}
+
+/// The containerd-shim crate's settings for this shim; pass them to `run` (the crate installs
+/// its signal handlers before [`Shim::new`] could change them). The VM backends wait for their
+/// own children (QEMU, vhost-device-vsock, virtiofsd): the crate's SIGCHLD reaper
+/// (`waitpid(-1)`) would steal their exit statuses, so it is off, and so is the subreaper (the
+/// shim has no grandchildren to adopt).
+pub fn shim_config() -> Config {
+    Config {
+        no_reaper: true,
+        no_sub_reaper: true,
+        ..Config::default()
+    }
+}
+
+/// A protobuf timestamp.
+pub fn timestamp(t: SystemTime) -> Timestamp {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    Timestamp {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+        ..Default::default()
+    }
+}
+
+async fn socket_serves(address: &str) -> bool {
+    let path = address
+        .strip_prefix("unix://")
+        .unwrap_or(address)
+        .to_string();
+    tokio::net::UnixStream::connect(path).await.is_ok()
+}
+
+/// Spawns the daemon (this binary without an action, with `-socket`) and waits until it serves:
+/// the daemon closes its stdout (our pipe) once its ttrpc server listens.
+async fn spawn_daemon(
+    opts: &StartOpts,
+    address: &str,
+    config_path: Option<&Path>,
+) -> Result<(), Error> {
+    let exe = std::env::current_exe().map_err(|e| Error::Other(format!("current_exe: {e}")))?;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.args([
+        "-namespace",
+        &opts.namespace,
+        "-id",
+        &opts.id,
+        "-address",
+        &opts.address,
+        "-socket",
+        address,
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    // Its own process group: signals to containerd's group do not reach it.
+    .process_group(0)
+    .kill_on_drop(false);
+    if opts.debug {
+        cmd.arg("-debug");
+    }
+    match config_path {
+        Some(p) => cmd.env(CONFIG_PATH_ENV, p),
+        None => cmd.env_remove(CONFIG_PATH_ENV),
+    };
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| Error::Other(format!("spawning the shim daemon: {e}")))?;
+    let mut out = child
+        .stdout
+        .take()
+        .ok_or_else(|| Error::Other("shim daemon has no stdout pipe".into()))?;
+    let mut sink = Vec::new();
+    let read = tokio::time::timeout(
+        DAEMON_START_TIMEOUT,
+        tokio::io::AsyncReadExt::read_to_end(&mut out, &mut sink),
+    )
+    .await;
+    if read.is_err() {
+        let _ = child.start_kill();
+        return Err(Error::Other(format!(
+            "the shim daemon did not serve {address} within {DAEMON_START_TIMEOUT:?}"
+        )));
+    }
+    if let Ok(Some(status)) = child.try_wait() {
+        if !status.success() {
+            return Err(Error::Other(format!("the shim daemon exited: {status}")));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,156 @@
+//! What a QEMU VM boots and how ([`QemuConfig`]), checked before anything starts.
+
+use std::fs::File;
+use std::os::fd::{OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Accel, QemuError};
+
+/// What to boot and how. [`QemuConfig::new`] fills in the defaults.
+#[derive(Debug, Clone)]
+pub struct QemuConfig {
+    /// Uncompressed ELF `vmlinux` (booted through its PVH note) or a bzImage.
+    pub kernel: PathBuf,
+    /// The initramfs (the agent as `/init`).
+    pub initrd: PathBuf,
+    /// vCPUs, 1..=255.
+    pub vcpus: u32,
+    /// Guest memory in MiB, 16..=1 TiB.
+    pub memory_mib: u32,
+    /// Appended to the kernel command line after ours.
+    pub cmdline_extra: String,
+    /// Default `qemu-system-x86_64` (looked up on PATH).
+    pub qemu_binary: PathBuf,
+    /// The `vhost-device-vsock` binary (scripts/install-vhost-device-vsock.sh prints its path).
+    pub vhost_vsock_binary: PathBuf,
+    /// Where the sockets and logs live; created if missing. One VM per work dir.
+    pub work_dir: PathBuf,
+    /// The guest's vsock CID (default 3).
+    pub guest_cid: u32,
+    /// Default [`Accel::Auto`].
+    pub accel: Accel,
+    /// Where the guest's serial console goes; kept after the VM ends. `None`: a file in the work
+    /// dir, removed with the VM.
+    pub console_log: Option<PathBuf>,
+    /// How long [`QemuVm::start`] waits for the guest's first console output (default 60 s).
+    pub start_timeout: Duration,
+    /// A host directory exported to the guest over virtio-fs (served by `virtiofsd`).
+    pub shared_fs: Option<QemuSharedFs>,
+    /// The virtiofsd binary (default: Debian QEMU's `/usr/lib/qemu/virtiofsd`).
+    pub virtiofsd_binary: PathBuf,
+    /// Network cards, in order (eth0 first).
+    pub nics: Vec<QemuNic>,
+}
+
+/// A network card: a virtio-net device on a tap the caller opened in the pod netns.
+#[derive(Debug, Clone)]
+pub struct QemuNic {
+    /// The tap (opened with `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`); QEMU gets a copy as fd
+    /// [`NIC_FD_BASE`] + its index (`-netdev tap,fd=`).
+    pub tap: Arc<OwnedFd>,
+    /// The guest NIC's MAC.
+    pub mac: [u8; 6],
+    /// The guest NIC's MTU (virtio-net's `host_mtu`).
+    pub mtu: u16,
+}
+
+/// The fd number QEMU finds its first NIC's tap at (then one more per NIC): above the few fds
+/// QEMU has open when it parses `-netdev`.
+pub const NIC_FD_BASE: RawFd = 100;
+
+/// At most this many NICs.
+pub const MAX_NICS: usize = 8;
+
+/// A directory the guest mounts with `mount -t virtiofs <tag> <dir>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QemuSharedFs {
+    /// The virtio-fs tag.
+    pub tag: String,
+    /// The host directory served.
+    pub host_dir: PathBuf,
+}
+
+/// Where Debian's qemu-system-x86 package puts virtiofsd.
+pub const DEFAULT_VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
+
+impl QemuConfig {
+    /// A config with the defaults: 1 vCPU, 256 MiB, CID 3, [`Accel::Auto`].
+    pub fn new(
+        kernel: impl Into<PathBuf>,
+        initrd: impl Into<PathBuf>,
+        vhost_vsock_binary: impl Into<PathBuf>,
+        work_dir: impl Into<PathBuf>,
+    ) -> Self {
+        QemuConfig {
+            kernel: kernel.into(),
+            initrd: initrd.into(),
+            vcpus: 1,
+            memory_mib: 256,
+            cmdline_extra: String::new(),
+            qemu_binary: PathBuf::from(super::DEFAULT_QEMU),
+            vhost_vsock_binary: vhost_vsock_binary.into(),
+            work_dir: work_dir.into(),
+            guest_cid: 3,
+            accel: Accel::Auto,
+            console_log: None,
+            start_timeout: Duration::from_secs(60),
+            shared_fs: None,
+            nics: Vec::new(),
+            virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
+        }
+    }
+
+    pub(super) fn validate(&self) -> Result<(), QemuError> {
+        if self.nics.len() > MAX_NICS {
+            return Err(QemuError::InvalidConfig(format!(
+                "{} network cards, at most {MAX_NICS}",
+                self.nics.len()
+            )));
+        }
+        if !(1..=255).contains(&self.vcpus) {
+            return Err(QemuError::InvalidConfig(format!(
+                "vcpus must be 1..=255, got {}",
+                self.vcpus
+            )));
+        }
+        if !(16..=1 << 20).contains(&self.memory_mib) {
+            return Err(QemuError::InvalidConfig(format!(
+                "memory_mib must be 16..=1048576, got {}",
+                self.memory_mib
+            )));
+        }
+        // CIDs 0..=2 are reserved (hypervisor, local, host); u32::MAX is VMADDR_CID_ANY.
+        if self.guest_cid < 3 || self.guest_cid == u32::MAX {
+            return Err(QemuError::InvalidConfig(format!(
+                "guest_cid must be >= 3 and not {}, got {}",
+                u32::MAX,
+                self.guest_cid
+            )));
+        }
+        if let Some(fs) = &self.shared_fs {
+            // virtio-fs tags are at most 36 bytes; a comma would end QEMU's option value.
+            if fs.tag.is_empty() || fs.tag.len() > 36 || fs.tag.contains([',', '\0']) {
+                return Err(QemuError::InvalidConfig(format!(
+                    "shared_fs tag must be 1..=36 bytes without commas, got {:?}",
+                    fs.tag
+                )));
+            }
+            if !fs.host_dir.is_dir() {
+                return Err(QemuError::InvalidConfig(format!(
+                    "shared_fs directory {} is not a directory",
+                    fs.host_dir.display()
+                )));
+            }
+        }
+        for (what, path) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
+            File::open(path).map_err(|source| QemuError::Unreadable {
+                what,
+                path: path.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,229 @@
+//! The QEMU backend's processes and files: the work dir's sockets and logs ([`VmPaths`]),
+//! children tied to the spawning thread, and their bounded termination.
+
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::thread;
+use std::time::Instant;
+
+use super::{
+    QemuConfig, QemuError, QemuNic, MAX_NICS, MAX_SOCKET_PATH, NIC_FD_BASE, POLL, TERM_GRACE,
+};
+
+/// The files of one VM in its work dir.
+#[derive(Debug, Clone)]
+pub(super) struct VmPaths {
+    /// vhost-user control socket between QEMU and vhost-device-vsock.
+    pub(super) vhost_socket: PathBuf,
+    /// The hybrid-vsock host socket.
+    pub(super) vsock_uds: PathBuf,
+    /// vhost-user socket between QEMU and virtiofsd.
+    pub(super) virtiofs_socket: PathBuf,
+    pub(super) qemu_stderr: PathBuf,
+    pub(super) backend_stderr: PathBuf,
+    pub(super) virtiofsd_stderr: PathBuf,
+    pub(super) console_log: PathBuf,
+    /// Whether `console_log` is ours to remove.
+    pub(super) console_is_ours: bool,
+    pub(super) work_dir: PathBuf,
+    /// Whether we created the work dir (then it is removed when empty).
+    pub(super) work_dir_is_ours: bool,
+}
+
+impl VmPaths {
+    pub(super) fn new(cfg: &QemuConfig) -> Result<Self, QemuError> {
+        let work_dir_is_ours = !cfg.work_dir.exists();
+        fs::create_dir_all(&cfg.work_dir).map_err(|source| QemuError::CreateFile {
+            path: cfg.work_dir.clone(),
+            source,
+        })?;
+        let console_is_ours = cfg.console_log.is_none();
+        let paths = VmPaths {
+            vhost_socket: cfg.work_dir.join("vhost-user-vsock.sock"),
+            vsock_uds: cfg.work_dir.join("vsock.sock"),
+            virtiofs_socket: cfg.work_dir.join("virtiofsd.sock"),
+            qemu_stderr: cfg.work_dir.join("qemu.stderr"),
+            backend_stderr: cfg.work_dir.join("vhost-device-vsock.stderr"),
+            virtiofsd_stderr: cfg.work_dir.join("virtiofsd.stderr"),
+            console_log: cfg
+                .console_log
+                .clone()
+                .unwrap_or_else(|| cfg.work_dir.join("console.log")),
+            console_is_ours,
+            work_dir: cfg.work_dir.clone(),
+            work_dir_is_ours,
+        };
+        for sock in [
+            &paths.vhost_socket,
+            &paths.vsock_uds,
+            &paths.virtiofs_socket,
+        ] {
+            let len = sock.as_os_str().len();
+            if len > MAX_SOCKET_PATH {
+                paths.remove_all();
+                return Err(QemuError::SocketPathTooLong {
+                    path: sock.clone(),
+                    len,
+                });
+            }
+        }
+        // Leftovers of a VM that died with its parent: the sockets are re-created below.
+        for stale in [
+            &paths.vhost_socket,
+            &paths.vsock_uds,
+            &paths.virtiofs_socket,
+        ] {
+            let _ = fs::remove_file(stale);
+        }
+        Ok(paths)
+    }
+
+    /// Removes the sockets (once the VM has ended nobody can use them).
+    pub(super) fn remove_sockets(&self) {
+        for f in [&self.vhost_socket, &self.vsock_uds, &self.virtiofs_socket] {
+            let _ = fs::remove_file(f);
+        }
+    }
+
+    /// Removes every file we created (the caller's console log excepted).
+    pub(super) fn remove_all(&self) {
+        let mut files = vec![
+            &self.vhost_socket,
+            &self.vsock_uds,
+            &self.virtiofs_socket,
+            &self.qemu_stderr,
+            &self.backend_stderr,
+            &self.virtiofsd_stderr,
+        ];
+        if self.console_is_ours {
+            files.push(&self.console_log);
+        }
+        for f in files {
+            let _ = fs::remove_file(f);
+        }
+        if self.work_dir_is_ours {
+            // Only succeeds when empty: files others put there are never removed.
+            let _ = fs::remove_dir(&self.work_dir);
+        }
+    }
+}
+
+pub(super) fn create_file(path: &Path) -> Result<File, QemuError> {
+    File::create(path).map_err(|source| QemuError::CreateFile {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Gives the child the NICs' taps as fds [`NIC_FD_BASE`].. (dup2 clears close-on-exec on the
+/// copy only; the shim's own fds stay close-on-exec).
+pub(super) fn pass_nic_fds(cmd: &mut Command, nics: &[QemuNic]) {
+    if nics.is_empty() {
+        return;
+    }
+    let fds: Vec<RawFd> = nics.iter().map(|n| n.tap.as_raw_fd()).collect();
+    // SAFETY: the closure runs in the forked child before exec; dup2 is async-signal-safe, the
+    // source fds are open (the `Arc<OwnedFd>`s in `nics` outlive the spawn) and the vector was
+    // allocated before the fork, so nothing allocates or locks here.
+    unsafe {
+        cmd.pre_exec(move || {
+            // First above the target range (a source may sit where another NIC's copy goes, or
+            // at its own target, where dup2 would keep close-on-exec), then into place.
+            let above = NIC_FD_BASE + MAX_NICS as RawFd;
+            let mut moved = [-1; MAX_NICS];
+            for (slot, fd) in moved.iter_mut().zip(&fds) {
+                *slot = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, above);
+                if *slot < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            for (i, tmp) in moved.iter().take(fds.len()).enumerate() {
+                if libc::dup2(*tmp, NIC_FD_BASE + i as RawFd) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Spawns `cmd` so that the kernel sends it SIGKILL when the spawning thread exits.
+pub(super) fn spawn_tied_to_parent(cmd: &mut Command, binary: &Path) -> Result<Child, QemuError> {
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
+    // functions (prctl, getppid, _exit); it touches no locks or allocations.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent may have died between fork and prctl: then no signal would come.
+            if libc::getppid() as u32 != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn().map_err(|source| QemuError::Spawn {
+        binary: binary.to_path_buf(),
+        source,
+    })
+}
+
+/// SIGTERM, a bounded wait, then SIGKILL; always reaps.
+pub(super) fn terminate(child: &mut Child, binary: &Path) -> Result<ExitStatus, QemuError> {
+    let pid = child.id();
+    let wait_err = |source| QemuError::Wait {
+        binary: binary.to_path_buf(),
+        pid,
+        source,
+    };
+    if let Some(status) = child.try_wait().map_err(wait_err)? {
+        return Ok(status);
+    }
+    signal(child, libc::SIGTERM);
+    let deadline = Instant::now() + TERM_GRACE;
+    while Instant::now() < deadline {
+        if let Some(status) = child.try_wait().map_err(wait_err)? {
+            return Ok(status);
+        }
+        thread::sleep(POLL);
+    }
+    let _ = child.kill();
+    child.wait().map_err(wait_err)
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    let Ok(pid) = libc::pid_t::try_from(child.id()) else {
+        return;
+    };
+    // SAFETY: `child` has not been reaped (we hold it and only reap through it), so `pid` is
+    // still our child, not a recycled pid.
+    unsafe { libc::kill(pid, sig) };
+}
+
+pub(super) fn kill_and_reap(mut child: Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The last `lines` lines of a (small) log file; empty if unreadable.
+pub(super) fn tail_of_file(path: &Path, lines: usize) -> String {
+    let Ok(bytes) = fs::read(path) else {
+        return String::new();
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

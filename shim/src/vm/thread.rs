@@ -1,0 +1,214 @@
+//! A pod's VM, owned by one long-lived OS thread.
+//!
+//! The thread boots the guest with [`GuestVm`], has the caller record the VM's host processes
+//! (the pod's state directory, for cleanup after a crash), waits for the agent's ready event,
+//! then watches the VM until it is told to stop or the guest ends by itself; the end is
+//! published, typed, on a watch channel. Owning the VM on a plain thread, not a tokio blocking
+//! task, matters: QEMU's children get `PR_SET_PDEATHSIG` tied to the thread that spawned them,
+//! so that thread must live exactly as long as the VM.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{oneshot, watch};
+
+use super::{console_log_in, console_tail, Backend, EndReason, GuestSpec, GuestVm, VmEnd};
+
+/// How long the agent may take to report ready after the VM started.
+pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often the VM thread looks whether the guest ended by itself.
+const WATCH_INTERVAL: Duration = Duration::from_millis(100);
+/// Console lines quoted in logs and errors.
+const TAIL_LINES: usize = 20;
+
+/// Records the VM's host processes (empty once it has ended) before the VM is used.
+pub type RecordPids = Box<dyn Fn(&[u32]) -> Result<(), String> + Send>;
+
+/// Why the VM could not be booted; the message is what the CRI user reads.
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    #[error("cannot start the pod's VM: {0}")]
+    Start(String),
+    #[error("the pod's VM booted but its agent did not come up: {0}")]
+    Agent(String),
+    #[error("cannot record the VM in the pod's state directory: {0}")]
+    Record(String),
+    #[error("cannot start the VM thread: {0}")]
+    Thread(std::io::Error),
+    #[error("the VM thread ended before reporting")]
+    ThreadGone,
+}
+
+enum Command {
+    Stop { status: u32 },
+}
+
+/// A pod VM whose agent reported ready, on its own thread.
+pub struct VmThread {
+    commands: mpsc::Sender<Command>,
+    ended: watch::Receiver<Option<VmEnd>>,
+    agent_socket: PathBuf,
+    console_log: PathBuf,
+    detail: String,
+}
+
+impl VmThread {
+    /// Boots `spec` on `backend` from a new thread; returns once the agent reported ready.
+    pub async fn boot(
+        backend: Backend,
+        spec: GuestSpec,
+        record: RecordPids,
+    ) -> Result<VmThread, BootError> {
+        let console_log = console_log_in(&spec.work_dir);
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let (cmd_tx, cmd_rx) = mpsc::channel();
+        let (end_tx, end_rx) = watch::channel(None);
+        std::thread::Builder::new()
+            .name("microvm-vm".to_string())
+            .spawn(move || vm_thread(backend, spec, record, ready_tx, cmd_rx, end_tx))
+            .map_err(BootError::Thread)?;
+        let (agent_socket, detail) = ready_rx.await.map_err(|_| BootError::ThreadGone)??;
+        Ok(VmThread {
+            commands: cmd_tx,
+            ended: end_rx,
+            agent_socket,
+            console_log,
+            detail,
+        })
+    }
+
+    /// The last `lines` of the guest's console (kernel and agent log), for error messages.
+    pub fn console_tail(&self, lines: usize) -> String {
+        console_tail(&self.console_log, lines)
+    }
+
+    /// The guest's console log file.
+    pub fn console_log(&self) -> &Path {
+        &self.console_log
+    }
+
+    /// One line on how the VM runs (backend, accelerator).
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The VM's hybrid-vsock socket (the agent and its stdio streams).
+    pub fn agent_socket(&self) -> &Path {
+        &self.agent_socket
+    }
+
+    /// Asks the VM to stop; it reports `status` as its exit. No-op once it has ended.
+    pub fn stop(&self, status: u32) {
+        let _ = self.commands.send(Command::Stop { status });
+    }
+
+    /// A receiver that turns `Some` once the VM has ended (and its thread has cleaned up).
+    pub fn ended(&self) -> watch::Receiver<Option<VmEnd>> {
+        self.ended.clone()
+    }
+
+    /// Waits until the VM has ended.
+    pub async fn wait(&self) -> VmEnd {
+        wait_end(self.ended.clone()).await
+    }
+}
+
+/// Waits until `ended` says the VM ended; a thread gone without a report counts as lost now.
+pub async fn wait_end(mut ended: watch::Receiver<Option<VmEnd>>) -> VmEnd {
+    match ended.wait_for(Option::is_some).await {
+        Ok(end) => end.clone().unwrap_or_else(|| lost("no report")),
+        Err(_) => lost("the VM thread ended without a report"),
+    }
+}
+
+fn lost(why: &str) -> VmEnd {
+    let reason = EndReason::Lost(why.to_string());
+    VmEnd {
+        status: reason.status(),
+        reason,
+        at: SystemTime::now(),
+    }
+}
+
+type Ready = Result<(PathBuf, String), BootError>;
+
+fn vm_thread(
+    backend: Backend,
+    spec: GuestSpec,
+    record: RecordPids,
+    ready: oneshot::Sender<Ready>,
+    commands: mpsc::Receiver<Command>,
+    ended: watch::Sender<Option<VmEnd>>,
+) {
+    let mut vm = match GuestVm::start(backend, &spec) {
+        Ok(vm) => vm,
+        Err(e) => {
+            let _ = ready.send(Err(BootError::Start(e.to_string())));
+            return;
+        }
+    };
+    if let Err(e) = record(&vm.pids()) {
+        let _ = ready.send(Err(BootError::Record(e)));
+        return;
+    }
+    log::info!("pod VM started: {}", vm.detail());
+    if let Err(e) = vm.wait_agent_ready(AGENT_READY_TIMEOUT) {
+        let _ = ready.send(Err(BootError::Agent(e.to_string())));
+        let _ = record(&[]);
+        return;
+    }
+    log::info!(
+        "agent ready {:?} after boot start",
+        vm.started_at().elapsed()
+    );
+    if ready
+        .send(Ok((
+            vm.agent_socket().to_path_buf(),
+            vm.detail().to_string(),
+        )))
+        .is_err()
+    {
+        // Nobody waits for this VM any more: it is dropped (stopped) below.
+        let _ = record(&[]);
+        return;
+    }
+    let (reason, asked) = loop {
+        match commands.recv_timeout(WATCH_INTERVAL) {
+            Ok(Command::Stop { status }) => {
+                if let Err(e) = vm.stop() {
+                    log::warn!("stopping the pod VM: {e}");
+                }
+                break (EndReason::Stopped, Some(status));
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = vm.stop();
+                break (EndReason::Stopped, None);
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => match vm.wait_timeout(Duration::ZERO) {
+                Ok(None) => {}
+                Ok(Some(reason)) => {
+                    log::warn!(
+                        "the pod VM ended by itself ({reason}); console ends with:\n{}",
+                        vm.console_tail(TAIL_LINES)
+                    );
+                    break (reason, None);
+                }
+                Err(e) => {
+                    log::warn!("watching the pod VM: {e}");
+                    let _ = vm.stop();
+                    break (EndReason::Lost(e.to_string()), None);
+                }
+            },
+        }
+    };
+    // Dropping the VM removes its work folder.
+    drop(vm);
+    let _ = record(&[]);
+    let status = asked.unwrap_or_else(|| reason.status());
+    let _ = ended.send(Some(VmEnd {
+        reason,
+        status,
+        at: SystemTime::now(),
+    }));
+}
