@@ -629,7 +629,7 @@ struct PodSetup {
     /// command line).
     embedded_accel: Option<String>,
     /// The VM size the shim gives a pod without limits (ours set none).
-    vm_size: shim::config::VmSize,
+    vm_size: shim::sandbox::spec::VmSize,
     // Fields drop in order: the CRI client before its containerd.
     cri: CriClient,
     ctrd: PrivateContainerd,
