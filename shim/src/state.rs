@@ -90,7 +90,7 @@ impl StateDir {
         self.path.join("vm")
     }
 
-    /// The pod network's undo record (resources/network.rs): written before the taps and
+    /// The pod network's undo record (resources/network/record.rs): written before the taps and
     /// filters are made, read by teardown, also from `<shim> delete` after a crash.
     pub fn network_record(&self) -> PathBuf {
         self.path.join("network.json")
