@@ -33,7 +33,7 @@ embedded_targets=(kvm_linux_guest cri_microvm cri_microvm_exec cri_microvm_net)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_embedded=$n_linux
 for t in "${embedded_targets[@]:1}"; do
-  n_embedded=$(( n_embedded + $(grep -c '^#\[tokio::test' "tests/tests/$t.rs") ))
+  n_embedded=$(( n_embedded + $(grep -cE '^#\[(tokio::)?test' "tests/tests/$t.rs") ))
 done
 verdict=$(target/release/microvm check-host --kernel "$MICROVM_KERNEL")
 check=$?
