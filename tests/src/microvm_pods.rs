@@ -31,6 +31,20 @@ pub fn repo() -> PathBuf {
         .to_path_buf()
 }
 
+/// `$var`, else `<repo>/build/<name>`; panics naming the make target when it does not exist.
+pub fn build_artifact(var: &str, name: &str, make_target: &str) -> PathBuf {
+    let path = std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("build").join(name));
+    assert!(
+        path.exists(),
+        "{} does not exist: build it with `make {make_target}` (or set {var})",
+        path.display()
+    );
+    path
+}
+
 /// The folder holding an up-to-date shim binary of this build's profile: built with cargo
 /// (a no-op when `make build` already did) into the target folder this test runs from. It
 /// builds the workspace's binaries exactly as `make build` does: `-p shim` alone would unify

@@ -8,40 +8,19 @@
 
 use std::net::IpAddr;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agent_protocol::agent::ShutdownRequest;
 use agent_protocol::agent_ttrpc::AgentClient;
 use agent_protocol::AGENT_VSOCK_PORT;
+use microvm_tests::microvm_pods::build_artifact;
 use microvm_tests::netns::{in_netns, require_root, run, TestNet, POD_MAC};
 use shim::resources::network::{self, MacAddr, TeardownOutcome};
 use shim::vm::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuNic, QemuVm};
 
 const AGENT_TIMEOUT: Duration = Duration::from_secs(180);
 const PING_TIMEOUT: Duration = Duration::from_secs(60);
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent")
-        .to_path_buf()
-}
-
-/// `$var`, else `<repo>/build/<name>`; panics naming the make target when it does not exist.
-fn artifact(var: &str, name: &str, make_target: &str) -> PathBuf {
-    let path = std::env::var_os(var)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("build").join(name));
-    assert!(
-        path.exists(),
-        "{} does not exist: build it with `make {make_target}` (or set {var})",
-        path.display()
-    );
-    path
-}
 
 fn ctx() -> ttrpc::context::Context {
     ttrpc::context::with_duration(Duration::from_secs(30))
@@ -191,8 +170,8 @@ fn ping_from_peer(net: &TestNet, addr: &str) {
 #[test]
 fn a_guest_configured_from_the_pod_netns_answers_on_the_pods_addresses() {
     require_root();
-    let kernel = artifact("MICROVM_KERNEL", "vmlinux", "kernel");
-    let initrd = artifact("MICROVM_INITRD", "initrd.cpio", "initrd");
+    let kernel = build_artifact("MICROVM_KERNEL", "vmlinux", "kernel");
+    let initrd = build_artifact("MICROVM_INITRD", "initrd.cpio", "initrd");
     let vhost = default_vhost_vsock_binary();
     assert!(vhost.exists(), "{}: run `make deps`", vhost.display());
 

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use agent_protocol::AGENT_VSOCK_PORT;
+use microvm_tests::microvm_pods::build_artifact;
 use shim::agent::AgentClient;
 use shim::vm::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuError, QemuVm};
 
@@ -22,33 +23,12 @@ const MEMORY_MIB: u32 = 256;
 /// The agent's ready line on the console (guest-agent prints it once it listens on vsock).
 const AGENT_READY: &str = "microvm-agent: ready";
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent")
-        .to_path_buf()
-}
-
-/// `$var`, else `<repo>/build/<name>`; panics naming the make target when it does not exist.
-fn artifact(var: &str, name: &str, make_target: &str) -> PathBuf {
-    let path = std::env::var_os(var)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("build").join(name));
-    assert!(
-        path.exists(),
-        "{} does not exist: build it with `make {make_target}` (or set {var})",
-        path.display()
-    );
-    path
-}
-
 fn kernel() -> PathBuf {
-    artifact("MICROVM_KERNEL", "vmlinux", "kernel")
+    build_artifact("MICROVM_KERNEL", "vmlinux", "kernel")
 }
 
 fn initrd() -> PathBuf {
-    artifact("MICROVM_INITRD", "initrd.cpio", "initrd")
+    build_artifact("MICROVM_INITRD", "initrd.cpio", "initrd")
 }
 
 fn vhost_vsock() -> PathBuf {
