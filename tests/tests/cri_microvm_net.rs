@@ -465,8 +465,13 @@ async fn tail_rate_async(ip: &str, size: u64, skip: u64) -> f64 {
         .unwrap_or_else(|e| panic!("download from {e}"))
 }
 
-/// Writes `/www/big` of `size` random bytes in the pod's httpd container.
-async fn make_big(cri: &CriClient, httpd: &str, size: u64) {
+/// Writes `/www/big` of `size` random bytes in the pod's httpd container at `ip`, once its
+/// startup script is done (its server answers): the script makes `/www` and writes its own
+/// `/www/big`, so an earlier write could find no directory or be truncated.
+async fn make_big(cri: &CriClient, httpd: &str, ip: &str, size: u64) {
+    http_get_async(SocketAddr::new(ip.parse().unwrap(), HTTP_PORT), "/")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let cmd = format!("head -c {size} /dev/urandom > /www/big");
     exec_ok(cri, httpd, &["sh", "-c", &cmd]).await;
 }
@@ -505,7 +510,7 @@ async fn the_bandwidth_annotations_limit_the_pods_traffic() {
     let size = burst + 768 * 1024;
     let skip = burst + 256 * 1024;
     let (runc_ip, _) = pod_ips(&cri, &runc_pod).await;
-    make_big(&cri, &runc_httpd, size).await;
+    make_big(&cri, &runc_httpd, &runc_ip, size).await;
     let runc_rate = tail_rate_async(&runc_ip, size, skip).await;
     remove_and_check(&ctrd, &cri, &runc_pod).await;
 
@@ -519,13 +524,13 @@ async fn the_bandwidth_annotations_limit_the_pods_traffic() {
     )
     .await;
     let (free_ip, _) = pod_ips(&cri, &free).await;
-    make_big(&cri, &free_httpd, size).await;
+    make_big(&cri, &free_httpd, &free_ip, size).await;
     let unshaped = tail_rate_async(&free_ip, size, skip).await;
     remove_and_check(&ctrd, &cri, &free).await;
 
     let (pod, httpd) = pod_serving(&ctrd, &cri, "net-shaped", "microvm", shaped(), 0).await;
     let (ip, _) = pod_ips(&cri, &pod).await;
-    make_big(&cri, &httpd, size).await;
+    make_big(&cri, &httpd, &ip, size).await;
     let rate = tail_rate_async(&ip, size, skip).await;
     eprintln!(
         "download of {size} bytes, rate after the first {skip} (tbf burst {burst}): microvm unshaped {:.0} KB/s; with 300k bandwidth annotations microvm {:.0} KB/s, runc {:.0} KB/s (limit {:.0} KB/s)",
