@@ -8,6 +8,10 @@ pub enum VmmError {
     /// The configuration is invalid (vCPUs, memory, vsock...).
     #[error("invalid VM configuration: {0}")]
     Config(String),
+    /// The VM did not end within the time it was given ([`crate::VmHandle::wait_or_stop`]); it
+    /// was stopped.
+    #[error("the VM did not end within {0:?}; stopped it")]
+    TimedOut(std::time::Duration),
     /// The kernel file is missing, unreadable, or not a loadable ELF.
     #[error("kernel {}: {reason}", path.display())]
     Kernel { path: PathBuf, reason: String },

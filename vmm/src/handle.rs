@@ -158,6 +158,19 @@ impl VmHandle {
         Some(self.reap())
     }
 
+    /// Waits up to `timeout` for the VM to end; past it, stops the VM, collects it and returns
+    /// [`VmmError::TimedOut`].
+    pub fn wait_or_stop(&self, timeout: Duration) -> Result<VmExit, VmmError> {
+        match self.wait_timeout(timeout) {
+            Some(r) => r,
+            None => {
+                self.stop();
+                let _ = self.wait();
+                Err(VmmError::TimedOut(timeout))
+            }
+        }
+    }
+
     /// Asks the VM to end; [`VmHandle::wait`] then returns [`VmExit::Stopped`] (unless it had
     /// already ended another way).
     pub fn stop(&self) {

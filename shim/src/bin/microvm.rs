@@ -202,33 +202,6 @@ fn boot_check(
     Ok(ExitCode::SUCCESS)
 }
 
-fn vm_config(
-    kernel: PathBuf,
-    initrd: Option<PathBuf>,
-    vcpus: u8,
-    memory_mib: u64,
-    serial: vmm::SerialSink,
-) -> vmm::VmConfig {
-    let mut cfg = vmm::VmConfig::new(kernel);
-    cfg.initrd = initrd;
-    cfg.vcpus = vcpus;
-    cfg.memory_mib = memory_mib;
-    cfg.serial = serial;
-    cfg
-}
-
-/// Waits (bounded) for the VM to end; stops it on timeout.
-fn wait_vm(handle: &vmm::VmHandle, timeout: Duration) -> Result<vmm::VmExit> {
-    match handle.wait_timeout(timeout) {
-        Some(r) => Ok(r?),
-        None => {
-            handle.stop();
-            let _ = handle.wait();
-            bail!("the VM did not end within {timeout:?}; stopped it")
-        }
-    }
-}
-
 fn boot_console(
     kernel: PathBuf,
     initrd: Option<PathBuf>,
@@ -240,9 +213,15 @@ fn boot_console(
     if backend == BackendArg::Qemu {
         bail!("boot without --check runs the embedded VMM only; use --backend kvm");
     }
-    let cfg = vm_config(kernel, initrd, vcpus, memory_mib, vmm::SerialSink::Stdout);
+    let cfg = vmm::VmConfig {
+        initrd,
+        vcpus,
+        memory_mib,
+        serial: vmm::SerialSink::Stdout,
+        ..vmm::VmConfig::new(kernel)
+    };
     let handle = vmm::Vm::start(cfg)?;
-    let exit = wait_vm(&handle, timeout)?;
+    let exit = handle.wait_or_stop(timeout)?;
     eprintln!("microvm: the VM ended: {exit:?}");
     Ok(ExitCode::SUCCESS)
 }

@@ -109,33 +109,6 @@ impl ConsoleTee {
     }
 }
 
-fn vm_config(
-    kernel: PathBuf,
-    initrd: Option<PathBuf>,
-    vcpus: u8,
-    memory_mib: u64,
-    serial: vmm::SerialSink,
-) -> vmm::VmConfig {
-    let mut cfg = vmm::VmConfig::new(kernel);
-    cfg.initrd = initrd;
-    cfg.vcpus = vcpus;
-    cfg.memory_mib = memory_mib;
-    cfg.serial = serial;
-    cfg
-}
-
-/// Waits (bounded) for the VM to end; stops it on timeout.
-fn wait_vm(handle: &vmm::VmHandle, timeout: Duration) -> Result<vmm::VmExit> {
-    match handle.wait_timeout(timeout) {
-        Some(r) => Ok(r?),
-        None => {
-            handle.stop();
-            let _ = handle.wait();
-            bail!("the VM did not end within {timeout:?}; stopped it")
-        }
-    }
-}
-
 /// The vsock ports of the vsock-echo guest: it listens on the first, and connects to the second.
 const ECHO_GUEST_PORT: u32 = 1234;
 const ECHO_HOST_PORT: u32 = 5678;
@@ -160,13 +133,12 @@ fn run_test_guest(
         );
     }
     let console = ConsoleTee::default();
-    let mut cfg = vm_config(
-        elf,
-        None,
+    let mut cfg = vmm::VmConfig {
         vcpus,
         memory_mib,
-        vmm::SerialSink::Writer(Box::new(console.clone())),
-    );
+        serial: vmm::SerialSink::Writer(Box::new(console.clone())),
+        ..vmm::VmConfig::new(elf)
+    };
     let work_dir = new_work_dir("test-guest");
     let mut peers = Vec::new();
     if name == "vsock-echo" {
@@ -213,7 +185,7 @@ fn run_and_judge(
     peers: Vec<Peer>,
 ) -> Result<String> {
     let handle = vmm::Vm::start(cfg)?;
-    let exit = wait_vm(&handle, timeout);
+    let exit = handle.wait_or_stop(timeout);
     let mut notes = Vec::new();
     for peer in peers {
         match peer.join() {
