@@ -11,6 +11,7 @@
 
 use crate::cri::{self, v1::PodSandboxConfig, CriClient};
 use crate::images::{self, LocalImage};
+use crate::lifecycle::MICROVM_STATE_ROOT;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
@@ -121,6 +122,8 @@ pub struct PrivateContainerd {
     _net_lock: File,
     net_lock_path: PathBuf,
     cgroup_parent: String,
+    /// Where containerd finds `containerd-shim-microvm-v1` (before its inherited PATH).
+    shim_dirs: Vec<PathBuf>,
     busybox: Option<LocalImage>,
     started_in: Duration,
 }
@@ -198,6 +201,7 @@ impl PrivateContainerd {
             _net_lock: net_lock,
             net_lock_path,
             cgroup_parent,
+            shim_dirs: opts.extra_path.clone(),
             busybox,
             started_in: Duration::ZERO,
         };
@@ -474,6 +478,16 @@ impl PrivateContainerd {
         Path::new("/run/containerd/s").join(hex)
     }
 
+    /// Kills containerd (SIGKILL), as a crash would: its pods, shims and VMs stay, and dropping
+    /// the instance must clean them up without containerd's help.
+    pub fn kill_containerd(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: kill(2) on our own child, which has not been reaped yet.
+            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+            let _ = child.wait();
+        }
+    }
+
     fn stop_containerd(&mut self) {
         let Some(mut child) = self.child.take() else {
             return;
@@ -488,6 +502,79 @@ impl PrivateContainerd {
         unsafe { libc::kill(pid, libc::SIGKILL) };
         let _ = child.wait();
     }
+}
+
+impl PrivateContainerd {
+    /// What pods whose removal through CRI failed (a test that panicked mid-pod, a hung shim)
+    /// left once their processes are killed: for each task bundle still in containerd's state,
+    /// the microvm shim's crash cleanup (`<shim> delete`, as containerd runs it after a shim
+    /// died: the pod network's undo, the state directory) and the pod's network namespace,
+    /// which containerd's CRI made and would have removed.
+    fn release_unremoved_pods(&self) {
+        let tasks = self.dir().join("state/io.containerd.runtime.v2.task");
+        let shim = self
+            .shim_dirs
+            .iter()
+            .map(|d| d.join("containerd-shim-microvm-v1"))
+            .find(|p| p.is_file());
+        for namespace in read_dir_paths(&tasks) {
+            for bundle in read_dir_paths(&namespace) {
+                let Some(id) = bundle.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+                    continue;
+                };
+                let spec: serde_json::Value = std::fs::read(bundle.join("config.json"))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .unwrap_or_default();
+                if let Some(shim) = &shim {
+                    if Path::new(MICROVM_STATE_ROOT).join(&id).exists() {
+                        eprintln!("private containerd: pod {id} was not removed; its shim's delete cleans up");
+                        let ns = namespace.file_name().unwrap_or_default();
+                        // The environment containerd gives a shim it runs.
+                        let mut ttrpc = self.socket.clone().into_os_string();
+                        ttrpc.push(".ttrpc");
+                        let _ = Command::new(shim)
+                            .current_dir(&bundle)
+                            .env("GRPC_ADDRESS", &self.socket)
+                            .env("TTRPC_ADDRESS", ttrpc)
+                            .env("NAMESPACE", ns)
+                            .arg("-namespace")
+                            .arg(ns)
+                            .arg("-address")
+                            .arg(&self.socket)
+                            .args(["-id", &id, "delete"])
+                            .stdin(Stdio::null())
+                            .stdout(Stdio::null())
+                            .status();
+                    }
+                }
+                let netns = spec["linux"]["namespaces"]
+                    .as_array()
+                    .and_then(|n| n.iter().find(|ns| ns["type"] == "network"))
+                    .and_then(|ns| ns["path"].as_str())
+                    .map(PathBuf::from);
+                if let Some(netns) =
+                    netns.filter(|p| p.starts_with("/var/run/netns") || p.starts_with("/run/netns"))
+                {
+                    if netns.exists() {
+                        eprintln!(
+                            "private containerd: removing the netns {} of pod {id}",
+                            netns.display()
+                        );
+                        unmount_lazy(&netns);
+                        let _ = std::fs::remove_file(&netns);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The entries of directory `dir` (none if it cannot be read).
+fn read_dir_paths(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
 }
 
 impl Drop for PrivateContainerd {
@@ -521,6 +608,7 @@ impl Drop for PrivateContainerd {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
+        self.release_unremoved_pods();
         let dir = self.dir().to_path_buf();
         for _ in 0..3 {
             let mounts = mounts_under(&dir);
