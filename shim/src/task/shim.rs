@@ -91,18 +91,11 @@ impl Shim for MicrovmShim {
         let address = address.trim();
         let serving = !address.is_empty() && socket_serves(address).await;
         if !serving && !state.shim_alive() {
-            // The pod network first: its record lives in the state directory.
-            crate::resources::network::teardown(&state.network_record())
+            // The same undo as a pod's teardown: the network first (its record lives in the
+            // state directory), then the state directory.
+            crate::sandbox::release_host_resources(&state)
                 .await
-                .map_err(|e| {
-                    Error::Other(format!("tearing down the network of pod {pod_id}: {e}"))
-                })?;
-            state.cleanup().map_err(|e| {
-                Error::Other(format!(
-                    "cleaning up pod {pod_id} in {}: {e}",
-                    state.path().display()
-                ))
-            })?;
+                .map_err(|e| Error::Other(format!("cleaning up pod {pod_id}: {e}")))?;
             // The dead shim's socket (a shim that exits normally removes it itself).
             let socket = address.strip_prefix("unix://").unwrap_or(address);
             if !socket.is_empty() {
