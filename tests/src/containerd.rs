@@ -75,6 +75,41 @@ pub struct ContainerdOptions {
     pub image_dir: PathBuf,
     /// What the pods' CNI network adds to the plain IPv4 bridge.
     pub cni: CniOptions,
+    /// The folder of the containerd to run (its `containerd`, `ctr` and runc shim); none: the
+    /// one on PATH (Debian 12's 1.6). [`ContainerdOptions::default`] takes
+    /// `MICROVM_TEST_CONTAINERD_BIN` (e.g. scripts/install-containerd.sh's answer).
+    pub bin_dir: Option<PathBuf>,
+}
+
+/// The environment variable naming the folder of the containerd the tests run.
+pub const CONTAINERD_BIN_ENV: &str = "MICROVM_TEST_CONTAINERD_BIN";
+
+/// The containerd release line a binary belongs to, which decides its config format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContainerdLine {
+    /// 1.6 and 1.7: config version 2, CRI under `io.containerd.grpc.v1.cri`.
+    V1,
+    /// 2.x: config version 3, CRI split into `io.containerd.cri.v1.{images,runtime}`.
+    V2,
+}
+
+/// What `containerd --version` prints: `containerd github.com/containerd/containerd 1.7.24~ds1 …`
+/// or `containerd github.com/containerd/containerd/v2 2.1.9+unknown …`; the version field's
+/// major number decides.
+pub fn containerd_line(version_output: &str) -> Option<(ContainerdLine, String)> {
+    let version = version_output.split_whitespace().nth(2)?;
+    let major: u32 = version
+        .trim_start_matches('v')
+        .split('.')
+        .next()?
+        .parse()
+        .ok()?;
+    let line = match major {
+        1 => ContainerdLine::V1,
+        2 => ContainerdLine::V2,
+        _ => return None,
+    };
+    Some((line, version.to_string()))
 }
 
 /// The pods' CNI network beyond the default (an IPv4 bridge with host-local IPAM): what the
@@ -102,6 +137,9 @@ impl Default for ContainerdOptions {
             import_images: true,
             image_dir: images::default_image_dir(),
             cni: CniOptions::default(),
+            bin_dir: std::env::var_os(CONTAINERD_BIN_ENV)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
         }
     }
 }
@@ -124,6 +162,10 @@ pub struct PrivateContainerd {
     cgroup_parent: String,
     /// Where containerd finds `containerd-shim-microvm-v1` (before its inherited PATH).
     shim_dirs: Vec<PathBuf>,
+    /// The folder of the containerd run (none: PATH's).
+    bin_dir: Option<PathBuf>,
+    line: ContainerdLine,
+    version: String,
     busybox: Option<LocalImage>,
     started_in: Duration,
 }
@@ -133,7 +175,22 @@ impl PrivateContainerd {
     /// the local images.
     pub fn start(opts: ContainerdOptions) -> Result<Self, ContainerdError> {
         let began = Instant::now();
-        let containerd = which("containerd").ok_or(ContainerdError::NotInstalled)?;
+        let containerd = match &opts.bin_dir {
+            Some(dir) => Some(dir.join("containerd")).filter(|p| p.is_file()),
+            None => which("containerd"),
+        }
+        .ok_or(ContainerdError::NotInstalled)?;
+        let version = Command::new(&containerd)
+            .arg("--version")
+            .output()
+            .map_err(io_err(format!("run {} --version", containerd.display())))?;
+        let version = String::from_utf8_lossy(&version.stdout).into_owned();
+        let (line, version) = containerd_line(&version).ok_or_else(|| {
+            io_err("read containerd's version")(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}: {version:?}", containerd.display()),
+            ))
+        })?;
         let pause = if opts.import_images {
             Some(images::pause_image(&opts.image_dir)?)
         } else {
@@ -169,21 +226,23 @@ impl PrivateContainerd {
         let config_path = root.join("config.toml");
         std::fs::write(
             &config_path,
-            containerd_config(root, &socket, &opts, pause.as_ref().map(|p| p.name)),
+            containerd_config(line, root, &socket, &opts, pause.as_ref().map(|p| p.name)),
         )
         .map_err(io_err("write config.toml"))?;
 
         let log_path = root.join("containerd.log");
         let log = File::create(&log_path).map_err(io_err("create containerd.log"))?;
         let log_err = log.try_clone().map_err(io_err("dup containerd.log"))?;
+        // Its own runc shim first (a containerd finds its shims on PATH).
         let mut path = opts.extra_path.clone();
+        path.extend(opts.bin_dir.iter().cloned());
         path.extend(std::env::split_paths(
             &std::env::var_os("PATH").unwrap_or_else(|| "/usr/sbin:/usr/bin:/sbin:/bin".into()),
         ));
         let path = std::env::join_paths(path).map_err(|e| {
             io_err("PATH")(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))
         })?;
-        let child = Command::new(containerd)
+        let child = Command::new(&containerd)
             .arg("--config")
             .arg(&config_path)
             .env("PATH", path)
@@ -193,6 +252,11 @@ impl PrivateContainerd {
             .spawn()
             .map_err(io_err("spawn containerd"))?;
 
+        eprintln!(
+            "private containerd {version} ({}) in {}",
+            containerd.display(),
+            root.display()
+        );
         let mut me = PrivateContainerd {
             child: Some(child),
             dir: Some(dir),
@@ -202,6 +266,9 @@ impl PrivateContainerd {
             net_lock_path,
             cgroup_parent,
             shim_dirs: opts.extra_path.clone(),
+            bin_dir: opts.bin_dir.clone(),
+            line,
+            version,
             busybox,
             started_in: Duration::ZERO,
         };
@@ -270,7 +337,11 @@ impl PrivateContainerd {
         args: &[&str],
         timeout: Duration,
     ) -> Result<std::process::Output, ContainerdError> {
-        let mut child = Command::new("ctr")
+        let ctr = match &self.bin_dir {
+            Some(dir) => dir.join("ctr"),
+            None => PathBuf::from("ctr"),
+        };
+        let mut child = Command::new(ctr)
             .arg("-a")
             .arg(&self.socket)
             .args(["-n", CRI_NAMESPACE])
@@ -386,6 +457,16 @@ impl PrivateContainerd {
         })
         .join()
         .map_err(|_| "the cleanup thread panicked".to_string())?
+    }
+
+    /// The containerd version this instance runs (e.g. `1.6.20~ds1`).
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Its release line (config format).
+    pub fn line(&self) -> ContainerdLine {
+        self.line
     }
 
     /// The imported busybox image's name.
@@ -641,22 +722,73 @@ impl Drop for PrivateContainerd {
 }
 
 fn containerd_config(
+    line: ContainerdLine,
     root: &Path,
     socket: &Path,
     opts: &ContainerdOptions,
     sandbox_image: Option<&str>,
 ) -> String {
+    // Where the CRI settings live: 1.x has them all in the grpc CRI plugin; 2.x moves images and
+    // runtimes into their own plugins and keeps only the stream server there.
+    let (version, images, runtime) = match line {
+        ContainerdLine::V1 => (
+            2,
+            r#"plugins."io.containerd.grpc.v1.cri""#,
+            r#"plugins."io.containerd.grpc.v1.cri""#,
+        ),
+        ContainerdLine::V2 => (
+            3,
+            r#"plugins."io.containerd.cri.v1.images""#,
+            r#"plugins."io.containerd.cri.v1.runtime""#,
+        ),
+    };
     let cri = r#"plugins."io.containerd.grpc.v1.cri""#;
+    let sandbox_image = toml_str(sandbox_image.unwrap_or(images::PAUSE_IMAGE));
     let microvm_options = match &opts.microvm_config {
         Some(path) => format!(
-            "\n[{cri}.containerd.runtimes.microvm.options]\n  ConfigPath = {}\n",
+            "\n[{runtime}.containerd.runtimes.microvm.options]\n  ConfigPath = {}\n",
             toml_str(&path.to_string_lossy())
         ),
         None => String::new(),
     };
+    let (cri_section, images_section) = match line {
+        ContainerdLine::V1 => (
+            format!(
+                r#"[{cri}]
+  sandbox_image = {sandbox_image}
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+"#
+            ),
+            // 1.x: the snapshotter is a key of the runtime's `containerd` table, below.
+            String::new(),
+        ),
+        ContainerdLine::V2 => (
+            format!(
+                r#"[{cri}]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+
+[{runtime}]
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+"#
+            ),
+            format!(
+                r#"[{images}]
+  snapshotter = "overlayfs"
+
+[{images}.pinned_images]
+  sandbox = {sandbox_image}
+"#
+            ),
+        ),
+    };
     format!(
         r#"# Written by microvm-tests (tests/src/containerd.rs): a private containerd for one test.
-version = 2
+version = {version}
 root = {root}
 state = {state}
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
@@ -673,29 +805,23 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [plugins."io.containerd.internal.v1.opt"]
   path = {opt}
 
-[{cri}]
-  sandbox_image = {sandbox_image}
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
+{cri_section}
+{images_section}
+[{runtime}.containerd]
+{snapshotter}  default_runtime_name = "runc"
 
-[{cri}.containerd]
-  snapshotter = "overlayfs"
-  default_runtime_name = "runc"
-
-[{cri}.containerd.runtimes.runc]
+[{runtime}.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
 
-[{cri}.containerd.runtimes.runc.options]
+[{runtime}.containerd.runtimes.runc.options]
   SystemdCgroup = false
 
-[{cri}.containerd.runtimes.microvm]
+[{runtime}.containerd.runtimes.microvm]
   runtime_type = "io.containerd.microvm.v1"
   pod_annotations = ["microvm.io/*"]
 {microvm_options}
-[{cri}.cni]
-  bin_dir = {cni_bin}
+[{runtime}.cni]
+  {cni_bin}
   conf_dir = {cni_conf}
   max_conf_num = 1
 "#,
@@ -705,9 +831,16 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         ttrpc = toml_str(&format!("{}.ttrpc", socket.to_string_lossy())),
         level = toml_str(&opts.log_level),
         opt = toml_str(&root.join("opt").to_string_lossy()),
-        sandbox_image = toml_str(sandbox_image.unwrap_or(images::PAUSE_IMAGE)),
-        cni_bin = toml_str(CNI_BIN_DIR),
+        // 2.1 deprecates `bin_dir` (CRI then reports a deprecation warning, not ready).
+        cni_bin = match line {
+            ContainerdLine::V1 => format!("bin_dir = {}", toml_str(CNI_BIN_DIR)),
+            ContainerdLine::V2 => format!("bin_dirs = [{}]", toml_str(CNI_BIN_DIR)),
+        },
         cni_conf = toml_str(&root.join("cni/net.d").to_string_lossy()),
+        snapshotter = match line {
+            ContainerdLine::V1 => "  snapshotter = \"overlayfs\"\n",
+            ContainerdLine::V2 => "",
+        },
     )
 }
 
@@ -948,26 +1081,97 @@ mod tests {
     }
 
     #[test]
-    fn config_names_both_handlers_and_private_paths() {
+    fn config_names_both_handlers_and_private_paths_in_each_lines_format() {
         let opts = ContainerdOptions {
             microvm_config: Some("/etc/microvm/test.toml".into()),
             ..Default::default()
         };
         let root = Path::new("/tmp/microvm-ctrd-x");
-        let text = containerd_config(root, &root.join("containerd.sock"), &opts, Some("p:1"));
-        for needle in [
-            r#"root = "/tmp/microvm-ctrd-x/root""#,
-            r#"address = "/tmp/microvm-ctrd-x/containerd.sock""#,
-            r#"sandbox_image = "p:1""#,
-            "restrict_oom_score_adj = true",
-            r#"runtime_type = "io.containerd.runc.v2""#,
-            r#"runtime_type = "io.containerd.microvm.v1""#,
-            r#"pod_annotations = ["microvm.io/*"]"#,
-            r#"ConfigPath = "/etc/microvm/test.toml""#,
-            r#"conf_dir = "/tmp/microvm-ctrd-x/cni/net.d""#,
+        for (line, version, runtime, images) in [
+            (
+                ContainerdLine::V1,
+                2,
+                "io.containerd.grpc.v1.cri",
+                "io.containerd.grpc.v1.cri",
+            ),
+            (
+                ContainerdLine::V2,
+                3,
+                "io.containerd.cri.v1.runtime",
+                "io.containerd.cri.v1.images",
+            ),
         ] {
-            assert!(text.contains(needle), "{needle} missing from\n{text}");
+            let text = containerd_config(
+                line,
+                root,
+                &root.join("containerd.sock"),
+                &opts,
+                Some("p:1"),
+            );
+            let config: toml::Table = text
+                .parse()
+                .unwrap_or_else(|e| panic!("{line:?}: {e}\n{text}"));
+            assert_eq!(config["version"].as_integer(), Some(version), "{text}");
+            assert_eq!(config["root"].as_str(), Some("/tmp/microvm-ctrd-x/root"));
+            assert_eq!(
+                config["grpc"]["address"].as_str(),
+                Some("/tmp/microvm-ctrd-x/containerd.sock")
+            );
+            let plugins = &config["plugins"];
+            let runtimes = &plugins[runtime]["containerd"]["runtimes"];
+            assert_eq!(
+                runtimes["runc"]["runtime_type"].as_str(),
+                Some("io.containerd.runc.v2")
+            );
+            let microvm = &runtimes["microvm"];
+            assert_eq!(
+                microvm["runtime_type"].as_str(),
+                Some("io.containerd.microvm.v1")
+            );
+            assert_eq!(
+                microvm["options"]["ConfigPath"].as_str(),
+                Some("/etc/microvm/test.toml")
+            );
+            assert_eq!(microvm["pod_annotations"][0].as_str(), Some("microvm.io/*"));
+            assert_eq!(
+                plugins[runtime]["cni"]["conf_dir"].as_str(),
+                Some("/tmp/microvm-ctrd-x/cni/net.d")
+            );
+            assert_eq!(
+                plugins[runtime]["restrict_oom_score_adj"].as_bool(),
+                Some(true)
+            );
+            let sandbox = match line {
+                ContainerdLine::V1 => &plugins[images]["sandbox_image"],
+                ContainerdLine::V2 => &plugins[images]["pinned_images"]["sandbox"],
+            };
+            assert_eq!(sandbox.as_str(), Some("p:1"), "{text}");
+            assert_eq!(
+                plugins["io.containerd.grpc.v1.cri"]["stream_server_address"].as_str(),
+                Some("127.0.0.1")
+            );
         }
+    }
+
+    #[test]
+    fn the_version_output_names_the_line() {
+        assert_eq!(
+            containerd_line(
+                "containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+b1"
+            ),
+            Some((ContainerdLine::V1, "1.6.20~ds1".to_string()))
+        );
+        assert_eq!(
+            containerd_line("containerd github.com/containerd/containerd/v2 2.1.9+unknown \n"),
+            Some((ContainerdLine::V2, "2.1.9+unknown".to_string()))
+        );
+        assert_eq!(containerd_line("containerd"), None);
+        assert_eq!(containerd_line("containerd x 3.0.0"), None);
+    }
+
+    #[test]
+    fn the_pods_cni_network_is_a_plain_bridge_by_default() {
+        let root = Path::new("/tmp/microvm-ctrd-x");
         let cni: serde_json::Value =
             serde_json::from_str(&cni_config(root, 123, &CniOptions::default())).unwrap();
         assert_eq!(cni["plugins"][0]["bridge"], "mvt123");
