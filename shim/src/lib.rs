@@ -13,6 +13,7 @@ pub mod artifacts;
 pub mod config;
 pub mod error;
 pub mod host_check;
+pub mod install;
 pub mod resources;
 pub mod sandbox;
 pub mod state;

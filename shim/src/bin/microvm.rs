@@ -6,6 +6,9 @@
 //!   prints one JSON object, shuts the guest down. Without it, any ELF kernel (a test guest) with
 //!   its console on stdout, until the VM ends.
 //!
+//! - `install` / `uninstall`: microvm on a node (shim, tool, guest kernel and initrd, config,
+//!   containerd's `microvm` handler), and exactly that taken off again (docs/operators.md).
+//!
 //! The C test guests run with `microvm-test-guest` (tests crate).
 //!
 //! Every failure exits non-zero with one message naming what failed.
@@ -71,6 +74,48 @@ enum Command {
         #[arg(long, default_value_t = 120)]
         timeout_secs: u64,
     },
+    /// Installs microvm on this node (as root): check-host's verdict picks the backend; the
+    /// binaries, guest kernel and initrd go under the prefix; containerd gets the `microvm`
+    /// runtime handler in its config (comments and other handlers kept).
+    Install {
+        #[command(flatten)]
+        paths: InstallPaths,
+        /// The guest kernel to install [default: build/vmlinux or $MICROVM_KERNEL].
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        /// The initrd to install [default: build/initrd.cpio or $MICROVM_INITRD].
+        #[arg(long)]
+        initrd: Option<PathBuf>,
+        /// The containerd whose version decides the format of a new config file.
+        #[arg(long, default_value = "containerd")]
+        containerd: PathBuf,
+        /// Print what would change, with the diff of containerd's config; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Undoes what `microvm install` recorded under the prefix; containerd's config is put back
+    /// as it was (byte for byte when nobody changed it since).
+    Uninstall {
+        /// Where microvm was installed.
+        #[arg(long, default_value = "/opt/microvm")]
+        prefix: PathBuf,
+        /// Print what would change; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+#[derive(clap::Args)]
+struct InstallPaths {
+    /// Where microvm's files go.
+    #[arg(long, default_value = "/opt/microvm")]
+    prefix: PathBuf,
+    /// containerd's config file.
+    #[arg(long, default_value = "/etc/containerd/config.toml")]
+    containerd_config: PathBuf,
+    /// A folder on containerd's PATH, where the shim is linked.
+    #[arg(long, default_value = "/usr/local/bin")]
+    shim_link_dir: PathBuf,
 }
 
 fn main() -> ExitCode {
@@ -96,6 +141,21 @@ fn main() -> ExitCode {
                 boot_console(kernel, initrd, vcpus, memory_mib, backend, timeout)
             }
         }
+        Command::Install {
+            paths,
+            kernel,
+            initrd,
+            containerd,
+            dry_run,
+        } => install(paths, kernel, initrd, containerd, dry_run),
+        Command::Uninstall { prefix, dry_run } => shim::install::uninstall(&prefix, dry_run)
+            .map(|lines| {
+                for line in lines {
+                    println!("{line}");
+                }
+                ExitCode::SUCCESS
+            })
+            .map_err(Into::into),
     };
     match result {
         Ok(code) => code,
@@ -104,6 +164,42 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+fn install(
+    paths: InstallPaths,
+    kernel: Option<PathBuf>,
+    initrd: Option<PathBuf>,
+    containerd: PathBuf,
+    dry_run: bool,
+) -> Result<ExitCode> {
+    let kernel = kernel.unwrap_or_else(artifacts::default_kernel);
+    let bin_source = std::env::current_exe()
+        .context("finding the running microvm binary")?
+        .parent()
+        .map(PathBuf::from)
+        .ok_or_else(|| anyhow!("the running microvm binary has no folder"))?;
+    let report = shim::install::host_report(&kernel);
+    for line in report.lines() {
+        println!("check-host: {line}");
+    }
+    let opts = shim::install::InstallOptions {
+        prefix: paths.prefix,
+        containerd_config: paths.containerd_config,
+        containerd,
+        shim_link_dir: paths.shim_link_dir,
+        bin_source,
+        kernel,
+        initrd: initrd.unwrap_or_else(artifacts::default_initrd),
+        vhost_vsock: shim::vm::qemu::default_vhost_vsock_binary(),
+        qemu: PathBuf::from(shim::vm::qemu::DEFAULT_QEMU),
+        dry_run,
+    };
+    let done = shim::install::install(&opts, &report)?;
+    for line in done.lines {
+        println!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn check_host(kernel: Option<PathBuf>, json: bool) -> Result<ExitCode> {
