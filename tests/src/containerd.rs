@@ -79,6 +79,9 @@ pub struct ContainerdOptions {
     /// one on PATH (Debian 12's 1.6). [`ContainerdOptions::default`] takes
     /// `MICROVM_TEST_CONTAINERD_BIN` (e.g. scripts/install-containerd.sh's answer).
     pub bin_dir: Option<PathBuf>,
+    /// Whether the harness writes the `microvm` handler into the config (else a test adds it,
+    /// e.g. with `microvm install`, through [`PrivateContainerd::start_after`]).
+    pub microvm_handler: bool,
 }
 
 /// The environment variable naming the folder of the containerd the tests run.
@@ -140,6 +143,7 @@ impl Default for ContainerdOptions {
             bin_dir: std::env::var_os(CONTAINERD_BIN_ENV)
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from),
+            microvm_handler: true,
         }
     }
 }
@@ -174,6 +178,15 @@ impl PrivateContainerd {
     /// Writes the configuration, starts containerd, waits (bounded) for its socket, and imports
     /// the local images.
     pub fn start(opts: ContainerdOptions) -> Result<Self, ContainerdError> {
+        Self::start_after(opts, |_, _| Ok(()))
+    }
+
+    /// Like [`PrivateContainerd::start`], with `edit` given the written config file (and the
+    /// containerd binary) before containerd starts: a test that installs a handler itself.
+    pub fn start_after(
+        opts: ContainerdOptions,
+        edit: impl FnOnce(&Path, &Path) -> Result<(), String>,
+    ) -> Result<Self, ContainerdError> {
         let began = Instant::now();
         let containerd = match &opts.bin_dir {
             Some(dir) => Some(dir.join("containerd")).filter(|p| p.is_file()),
@@ -229,6 +242,8 @@ impl PrivateContainerd {
             containerd_config(line, root, &socket, &opts, pause.as_ref().map(|p| p.name)),
         )
         .map_err(io_err("write config.toml"))?;
+        edit(&config_path, &containerd)
+            .map_err(|e| io_err("edit config.toml")(io::Error::other(e)))?;
 
         let log_path = root.join("containerd.log");
         let log = File::create(&log_path).map_err(io_err("create containerd.log"))?;
@@ -274,7 +289,7 @@ impl PrivateContainerd {
         };
         me.wait_for_socket(opts.start_timeout)?;
         for image in pause.iter().chain(me.busybox.iter()) {
-            images::import(&me.socket, CRI_NAMESPACE, image)?;
+            images::import(me.ctr_command(), image)?;
         }
         me.started_in = began.elapsed();
         Ok(me)
@@ -337,14 +352,8 @@ impl PrivateContainerd {
         args: &[&str],
         timeout: Duration,
     ) -> Result<std::process::Output, ContainerdError> {
-        let ctr = match &self.bin_dir {
-            Some(dir) => dir.join("ctr"),
-            None => PathBuf::from("ctr"),
-        };
-        let mut child = Command::new(ctr)
-            .arg("-a")
-            .arg(&self.socket)
-            .args(["-n", CRI_NAMESPACE])
+        let mut child = self
+            .ctr_command()
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -559,6 +568,18 @@ impl PrivateContainerd {
         Path::new("/run/containerd/s").join(hex)
     }
 
+    /// `ctr` of this instance's containerd release (a client of another release may not speak
+    /// its API), talking to its socket in the CRI namespace.
+    pub fn ctr_command(&self) -> Command {
+        let ctr = match &self.bin_dir {
+            Some(dir) => dir.join("ctr"),
+            None => PathBuf::from("ctr"),
+        };
+        let mut cmd = Command::new(ctr);
+        cmd.arg("-a").arg(&self.socket).args(["-n", CRI_NAMESPACE]);
+        cmd
+    }
+
     /// Kills containerd (SIGKILL), as a crash would: its pods, shims and VMs stay, and dropping
     /// the instance must clean them up without containerd's help.
     pub fn kill_containerd(&mut self) {
@@ -744,12 +765,22 @@ fn containerd_config(
     };
     let cri = r#"plugins."io.containerd.grpc.v1.cri""#;
     let sandbox_image = toml_str(sandbox_image.unwrap_or(images::PAUSE_IMAGE));
+    let microvm_handler = if opts.microvm_handler {
+        format!(
+            r#"[{runtime}.containerd.runtimes.microvm]
+  runtime_type = "io.containerd.microvm.v1"
+  pod_annotations = ["microvm.io/*"]
+"#
+        )
+    } else {
+        String::new()
+    };
     let microvm_options = match &opts.microvm_config {
-        Some(path) => format!(
+        Some(path) if opts.microvm_handler => format!(
             "\n[{runtime}.containerd.runtimes.microvm.options]\n  ConfigPath = {}\n",
             toml_str(&path.to_string_lossy())
         ),
-        None => String::new(),
+        _ => String::new(),
     };
     let (cri_section, images_section) = match line {
         ContainerdLine::V1 => (
@@ -816,10 +847,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [{runtime}.containerd.runtimes.runc.options]
   SystemdCgroup = false
 
-[{runtime}.containerd.runtimes.microvm]
-  runtime_type = "io.containerd.microvm.v1"
-  pod_annotations = ["microvm.io/*"]
-{microvm_options}
+{microvm_handler}{microvm_options}
 [{runtime}.cni]
   {cni_bin}
   conf_dir = {cni_conf}

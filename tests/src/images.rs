@@ -116,13 +116,10 @@ pub fn pause_image(dir: &Path) -> Result<LocalImage, ImageError> {
     write_image(dir, "pause.tar", PAUSE_IMAGE, layer.finish()?, config)
 }
 
-/// Imports an image tarball into a containerd namespace with `ctr images import`.
-pub fn import(socket: &Path, namespace: &str, image: &LocalImage) -> Result<(), ImageError> {
-    run(Command::new("ctr")
-        .arg("-a")
-        .arg(socket)
-        .args(["-n", namespace, "images", "import"])
-        .arg(&image.tarball))
+/// Imports an image tarball with `ctr images import`; `ctr` is a command for the containerd
+/// and namespace to import into (e.g. `PrivateContainerd::ctr_command`).
+pub fn import(mut ctr: Command, image: &LocalImage) -> Result<(), ImageError> {
+    run(ctr.args(["images", "import"]).arg(&image.tarball))
 }
 
 fn busybox_applets() -> Result<Vec<String>, ImageError> {

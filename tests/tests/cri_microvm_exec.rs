@@ -41,10 +41,7 @@ async fn pod_with_sleeper(ctrd: &PrivateContainerd, cri: &CriClient, name: &str)
 /// `ctr -a <sock> -n k8s.io ARGS` with the given stdio, not waited for.
 fn spawn_ctr(ctrd: &PrivateContainerd, args: &[&str], stdio: [Stdio; 3]) -> Child {
     let [stdin, stdout, stderr] = stdio;
-    Command::new("ctr")
-        .arg("-a")
-        .arg(ctrd.socket())
-        .args(["-n", microvm_tests::containerd::CRI_NAMESPACE])
+    ctrd.ctr_command()
         .args(args)
         .stdin(stdin)
         .stdout(stdout)
@@ -211,11 +208,8 @@ async fn interactive_exec_on_a_tty_follows_resizes() {
     let (master, slave) = openpty();
     set_window_size(&master, 31, 101);
     let stdio = || Stdio::from(slave.try_clone().unwrap());
-    let mut cmd = Command::new("ctr");
-    cmd.arg("-a")
-        .arg(ctrd.socket())
-        .args(["-n", microvm_tests::containerd::CRI_NAMESPACE])
-        .args(["task", "exec", "-t", "--exec-id", "tty1", &cid, "sh"])
+    let mut cmd = ctrd.ctr_command();
+    cmd.args(["task", "exec", "-t", "--exec-id", "tty1", &cid, "sh"])
         .stdin(stdio())
         .stdout(stdio())
         .stderr(stdio());
@@ -685,10 +679,14 @@ async fn execs_inherit_seccomp_capabilities_user_and_cgroup_of_their_container()
                 let _ = stdout.read_to_string(&mut s);
                 s
             });
-            let mut err = String::new();
-            let _ = stderr.read_to_string(&mut err);
+            let errors = std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = stderr.read_to_string(&mut s);
+                s
+            });
+            // Bounded: a hung exec is killed, which ends both readers.
             let code = wait_bounded(&mut ctr, CTR_TIMEOUT);
-            (code, reader.join().unwrap(), err)
+            (code, reader.join().unwrap(), errors.join().unwrap())
         })
         .await
         .unwrap();
