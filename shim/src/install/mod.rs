@@ -246,7 +246,7 @@ pub fn install(opts: &InstallOptions, report: &HostReport) -> Result<InstallRepo
             &initrd,
             installed_vhost.as_deref(),
         );
-        toml::from_str::<Config>(&text).map_err(|e| InstallError::Record {
+        Config::parse(&text).map_err(|e| InstallError::Record {
             path: config_path.clone(),
             reason: format!("the config install writes does not load: {e}"),
         })?;
