@@ -21,7 +21,10 @@ pub mod regs;
 mod vcpu;
 mod vm;
 
-pub use config::{BootProtocol, NetConfig, SerialSink, SharedFsConfig, VmConfig, VsockConfig};
+pub use config::{
+    BlockBacking, BlockConfig, BootProtocol, NetConfig, SerialSink, SharedFsConfig, VmConfig,
+    VsockConfig,
+};
 pub use error::VmmError;
 pub use handle::VmHandle;
 pub use vm::Vm;

@@ -207,7 +207,9 @@ impl MmioTransport {
             // No shared memory regions: a length of all ones means "absent".
             reg::SHM_LEN_LOW | reg::SHM_LEN_HIGH => u32::MAX,
             reg::SHM_BASE_LOW | reg::SHM_BASE_HIGH => u32::MAX,
-            reg::CONFIG_GENERATION => self.config_generation,
+            reg::CONFIG_GENERATION => self
+                .config_generation
+                .wrapping_add(lock(&self.device).config_generation()),
             _ => {
                 log::debug!("virtio-mmio: read of unknown register {offset:#x}");
                 0
