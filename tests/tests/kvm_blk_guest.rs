@@ -3,7 +3,8 @@
 //! read-only (opened O_RDONLY), vdc empty; the test fills vdc with `attach_block` once the guest
 //! waits for it and empties it with `detach_block`. Afterwards the host files must hold what the
 //! guest wrote, discarded and zeroed, the read-only file must be untouched, and the device's
-//! error counters must match the requests the guest expected to be refused.
+//! error counters must match the requests the guest expected to be refused. The same run on
+//! loop devices over the files (block-device backings: BLKDISCARD, BLKZEROOUT) needs root.
 //!
 //! Needs /dev/kvm and the guest built (`make -C tests/guests OUT=$PWD/build/guests`;
 //! `MICROVM_GUEST_DIR` overrides where it is looked for).
@@ -104,19 +105,22 @@ fn finish(handle: VmHandle, console: &Console) -> String {
     text
 }
 
-#[test]
-fn guest_reads_writes_discards_and_sees_hot_attach_and_detach() {
-    let vda = disk(VDA_SECTORS, 0);
-    let vdb = disk(VDB_SECTORS, 1);
-    let vdc = disk(VDC_SECTORS, 2);
-    let rw = |p: &Path| {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(p)
-            .expect("open the disk")
-    };
+fn rw(p: &Path) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(p)
+        .expect("open the disk")
+}
 
+/// What the host saw of one guest run.
+struct Run {
+    stats: Vec<vmm::BlockStats>,
+}
+
+/// Boots blk-test with `vda` (read-write), `vdb` (read-only, opened O_RDONLY) and an empty
+/// third slot that gets `vdc` once the guest waits for it; checks the guest's report.
+fn run_guest(vda: &Path, vdb: &Path, vdc: &Path) -> Run {
     let console = Console::default();
     let mut cfg = VmConfig::new(guest_elf());
     cfg.memory_mib = 64;
@@ -125,14 +129,14 @@ fn guest_reads_writes_discards_and_sees_hot_attach_and_detach() {
         BlockConfig {
             serial: "vda-serial".into(),
             backing: BlockBacking::File {
-                file: rw(vda.path()),
+                file: rw(vda),
                 read_only: false,
             },
         },
         BlockConfig {
             serial: "ro-disk".into(),
             backing: BlockBacking::File {
-                file: File::open(vdb.path()).expect("open vdb"),
+                file: File::open(vdb).expect("open vdb"),
                 read_only: true,
             },
         },
@@ -150,9 +154,9 @@ fn guest_reads_writes_discards_and_sees_hot_attach_and_detach() {
 
     console.wait_for("blk-test: waiting for attach");
     // A slot that has a disk refuses another one.
-    assert!(handle.attach_block(0, "x".into(), rw(vdc.path())).is_err());
+    assert!(handle.attach_block(0, "x".into(), rw(vdc)).is_err());
     handle
-        .attach_block(2, "hot-disk".into(), rw(vdc.path()))
+        .attach_block(2, "hot-disk".into(), rw(vdc))
         .expect("attach vdc");
     assert_eq!(handle.block_capacity(2).expect("slot 2"), VDC_SECTORS);
     console.wait_for("blk-test: waiting for detach");
@@ -178,36 +182,112 @@ fn guest_reads_writes_discards_and_sees_hot_attach_and_detach() {
             "no {want:?}; console:\n{text}"
         );
     }
-
-    // vda: sectors 8..15 hold pattern 3, 16..31 zeroes, the rest is untouched.
-    let whole = read_at(vda.path(), 0, (VDA_SECTORS * 512) as usize);
-    let mut want = pattern(VDA_SECTORS, 0);
-    let p3 = pattern(16, 3);
-    want[8 * 512..16 * 512].copy_from_slice(&p3[8 * 512..16 * 512]);
-    want[16 * 512..32 * 512].fill(0);
-    assert!(
-        whole == want,
-        "vda's contents differ from what the guest did"
-    );
-    assert_eq!(
-        std::fs::metadata(vda.path()).expect("vda").len(),
-        VDA_SECTORS * 512
-    );
-    assert_eq!(
-        read_at(vdb.path(), 0, (VDB_SECTORS * 512) as usize),
-        pattern(VDB_SECTORS, 1)
-    );
-    assert_eq!(
-        read_at(vdc.path(), 0, (VDC_SECTORS * 512) as usize),
-        pattern(VDC_SECTORS, 2)
-    );
-
     // The refused requests, per disk: vda out of range + unknown type, vdb the write, vdc a
     // read while empty, before and after.
     let errors: Vec<u64> = stats.iter().map(|s| s.errors).collect();
     assert_eq!(errors, vec![2, 1, 2], "{stats:?}");
     assert_eq!(stats[0].write_bytes, 4096);
     assert_eq!(stats[2].read_bytes, 4096);
+    Run { stats }
+}
+
+/// After the run: vda's sectors 8..15 hold pattern 3, 16..31 zeroes, the rest is untouched; vdb
+/// and vdc are untouched.
+fn check_files(vda: &Path, vdb: &Path, vdc: &Path) {
+    let whole = read_at(vda, 0, (VDA_SECTORS * 512) as usize);
+    let mut want = pattern(VDA_SECTORS, 0);
+    let p3 = pattern(16, 3);
+    want[8 * 512..16 * 512].copy_from_slice(&p3[8 * 512..16 * 512]);
+    want[16 * 512..32 * 512].fill(0);
+    if let Some(at) = whole.iter().zip(&want).position(|(a, b)| a != b) {
+        panic!(
+            "{}: first difference from what the guest did at byte {at}",
+            vda.display()
+        );
+    }
+    let meta = std::fs::metadata(vda).expect("vda");
+    if meta.is_file() {
+        assert_eq!(
+            meta.len(),
+            VDA_SECTORS * 512,
+            "discard changed the file's size"
+        );
+    }
+    assert!(read_at(vdb, 0, (VDB_SECTORS * 512) as usize) == pattern(VDB_SECTORS, 1));
+    assert!(read_at(vdc, 0, (VDC_SECTORS * 512) as usize) == pattern(VDC_SECTORS, 2));
+}
+
+#[test]
+fn guest_reads_writes_discards_and_sees_hot_attach_and_detach() {
+    let vda = disk(VDA_SECTORS, 0);
+    let vdb = disk(VDB_SECTORS, 1);
+    let vdc = disk(VDC_SECTORS, 2);
+    let run = run_guest(vda.path(), vdb.path(), vdc.path());
+    assert_eq!(run.stats.len(), 3);
+    check_files(vda.path(), vdb.path(), vdc.path());
+}
+
+/// A loop device over a file, detached on drop.
+struct Loop {
+    dev: PathBuf,
+}
+
+impl Loop {
+    fn new(file: &Path, read_only: bool) -> Self {
+        let mut cmd = std::process::Command::new("losetup");
+        if read_only {
+            cmd.arg("--read-only");
+        }
+        let out = cmd
+            .args(["--find", "--show"])
+            .arg(file)
+            .output()
+            .expect("run losetup");
+        assert!(
+            out.status.success(),
+            "losetup {}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        Self { dev }
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        match std::process::Command::new("losetup")
+            .arg("-d")
+            .arg(&self.dev)
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => eprintln!("cleanup: losetup -d {}: {other:?}", self.dev.display()),
+        }
+    }
+}
+
+/// The same guest on loop devices (block-device backings: BLKDISCARD, BLKZEROOUT); the data
+/// must be in the loop devices' backing files afterwards. Needs root (losetup).
+#[test]
+fn loop_devices_as_disks_carry_the_guests_data_to_their_files() {
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "loop devices need root");
+    let vda = disk(VDA_SECTORS, 0);
+    let vdb = disk(VDB_SECTORS, 1);
+    let vdc = disk(VDC_SECTORS, 2);
+    {
+        let (la, lb, lc) = (
+            Loop::new(vda.path(), false),
+            Loop::new(vdb.path(), true),
+            Loop::new(vdc.path(), false),
+        );
+        run_guest(&la.dev, &lb.dev, &lc.dev);
+        // Through the loop devices too (their own page cache, flushed by the guest's FLUSH).
+        check_files(&la.dev, &lb.dev, &lc.dev);
+    }
+    check_files(vda.path(), vdb.path(), vdc.path());
 }
 
 #[test]

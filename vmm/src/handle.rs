@@ -210,10 +210,7 @@ impl VmHandle {
     }
 
     /// What disk slot `index` did so far (requests, bytes, errors).
-    pub fn block_stats(
-        &self,
-        index: usize,
-    ) -> Result<vmm_devices::virtio::block::BlockStats, VmmError> {
+    pub fn block_stats(&self, index: usize) -> Result<crate::BlockStats, VmmError> {
         Ok(lock(self.block(index)?).stats())
     }
 

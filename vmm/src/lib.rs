@@ -28,6 +28,8 @@ pub use config::{
 pub use error::VmmError;
 pub use handle::VmHandle;
 pub use vm::Vm;
+/// What a disk slot did ([`VmHandle::block_stats`]).
+pub use vmm_devices::virtio::block::BlockStats;
 /// Opens a tap for a [`NetConfig`] in the calling thread's network namespace.
 pub use vmm_devices::virtio::net::{open_tap, TapError};
 
