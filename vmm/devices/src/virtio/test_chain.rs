@@ -123,6 +123,16 @@ impl TestQueue {
             .unwrap();
     }
 
+    /// The driver's available index (entries published so far, wrapping).
+    pub fn avail_idx(&self) -> u16 {
+        self.avail_idx
+    }
+
+    /// Used entries consumed so far (wrapping).
+    pub fn used_seen(&self) -> u16 {
+        self.used_seen
+    }
+
     /// New used entries (head, written length) since the last call.
     pub fn take_used(&mut self) -> Vec<(u32, u32)> {
         let used = self.base + 0x2000;
