@@ -519,3 +519,114 @@ fn works_under_the_event_manager() {
     f.read_exact(&mut first).unwrap();
     assert_eq!(first, [0, 1, 2, 3]);
 }
+
+/// xorshift64*, seeded: reproducible pseudo-random guest behaviour.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[test]
+fn random_chains_never_panic_and_always_come_back() {
+    let (mut g, mut dev) = setup(Access::ReadWrite);
+    let mut rng = Rng(0x5eed_b10c);
+    let types = [
+        req_type::IN,
+        req_type::OUT,
+        req_type::FLUSH,
+        req_type::GET_ID,
+        req_type::DISCARD,
+        req_type::WRITE_ZEROES,
+        3,
+        u32::MAX,
+    ];
+    let mut sent = 0usize;
+    let mut returned = 0usize;
+    for round in 0..3000 {
+        // A random header: a real or random type, a sector near the end or anywhere.
+        let t = types[rng.below(types.len() as u64) as usize];
+        let sector = match rng.below(3) {
+            0 => rng.below(DISK_SECTORS + 4),
+            1 => DISK_SECTORS - rng.below(4),
+            _ => rng.next(),
+        };
+        g.header(t, sector);
+        range_desc(&g, rng.below(DISK_SECTORS + 8), rng.next() as u32 % 64, 0);
+        let n = 1 + rng.below(5) as usize;
+        let chain: Vec<Buf> = (0..n)
+            .map(|i| {
+                let addr = match rng.below(4) {
+                    0 if i == 0 => HDR,
+                    0 => DATA,
+                    1 => STATUS,
+                    2 => rng.below(MEM_SIZE as u64 + 0x1000),
+                    _ => rng.next(),
+                };
+                let len = match rng.below(4) {
+                    0 => 512 * (1 + rng.below(4) as u32),
+                    1 => 16,
+                    2 => 1,
+                    _ => rng.next() as u32,
+                };
+                Buf {
+                    addr,
+                    len,
+                    writable: rng.below(2) == 0,
+                }
+            })
+            .collect();
+        g.q.add_chain(&chain);
+        sent += 1;
+        // Sometimes a raw loop or a wild `next` instead.
+        if round % 97 == 0 {
+            let head = rng.below(u64::from(QSIZE)) as u16;
+            g.q.write_desc(head, DATA, 512, F_NEXT | F_WRITE, rng.next() as u16);
+            g.q.make_avail(head);
+            sent += 1;
+        }
+        if rng.below(4) == 0 {
+            dev.process_queue();
+            returned += g.q.take_used().len();
+        }
+    }
+    dev.process_queue();
+    returned += g.q.take_used().len();
+    assert_eq!(returned, sent, "every chain comes back");
+    let s = dev.stats();
+    assert_eq!(s.requests as usize, sent);
+    assert!(s.errors > 0 && s.errors < s.requests, "{s:?}");
+    // The file is still the size it was.
+    assert_eq!(g.file.metadata().unwrap().len(), DISK_SECTORS * 512);
+}
+
+#[test]
+fn write_zeroes_falls_back_to_writing_zeroes_where_fallocate_cannot() {
+    // tmpfs has no FALLOC_FL_ZERO_RANGE: the device writes the zeroes itself.
+    let Ok(shm) = tempfile::tempfile_in("/dev/shm") else {
+        panic!("/dev/shm (tmpfs) is needed for this test");
+    };
+    let mut f = shm;
+    f.write_all(&vec![0xffu8; 64 * 1024 * 4]).unwrap();
+    let host = f.try_clone().unwrap();
+    let mut disk = DiskFile::new(f).unwrap();
+    let probe = disk.write_zeroes(512, 150 * 1024);
+    assert!(probe.is_ok(), "{probe:?}");
+    let mut b = vec![0u8; 64 * 1024 * 4];
+    host.read_exact_at(&mut b, 0).unwrap();
+    assert!(b[..512].iter().all(|&x| x == 0xff));
+    assert!(b[512..512 + 150 * 1024].iter().all(|&x| x == 0));
+    assert!(b[512 + 150 * 1024..].iter().all(|&x| x == 0xff));
+    // Punching a hole works on tmpfs.
+    disk.discard(0, 512).unwrap();
+    host.read_exact_at(&mut b[..512], 0).unwrap();
+    assert!(b[..512].iter().all(|&x| x == 0));
+}
