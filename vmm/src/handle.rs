@@ -183,8 +183,9 @@ impl VmHandle {
     /// change and the guest gets a config-change interrupt (it sees the new size). The slot
     /// keeps its boot-time read-only mode; open `file` O_RDONLY for a read-only slot.
     ///
-    /// The device's lock is taken between two requests of the device thread, so the change
-    /// never lands in the middle of a request.
+    /// The device's lock is taken between two batches of requests of the device thread, so the
+    /// change never lands in the middle of a request; it blocks while a batch runs (synchronous
+    /// disk I/O): from async code, call it on a blocking thread (`spawn_blocking`).
     pub fn attach_block(
         &self,
         index: usize,
