@@ -79,11 +79,12 @@ fn pattern(sectors: u64, k: u8) -> Vec<u8> {
         .collect()
 }
 
-/// A temporary disk file with pattern `k`, as a path (kept by the returned guard).
-fn disk(sectors: u64, k: u8) -> tempfile::NamedTempFile {
+/// A temporary disk file with pattern `k`, closed: only its path is kept (the file is removed on
+/// drop), so every descriptor open on it afterwards is the VMM's.
+fn disk(sectors: u64, k: u8) -> tempfile::TempPath {
     let mut f = tempfile::NamedTempFile::new().expect("temp file");
     f.write_all(&pattern(sectors, k)).expect("fill the disk");
-    f
+    f.into_temp_path()
 }
 
 fn read_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
@@ -93,6 +94,17 @@ fn read_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
         .read_exact_at(&mut b, offset)
         .expect("read the disk");
     b
+}
+
+/// This process's descriptors open on `path`.
+fn open_fds_of(path: &Path) -> Vec<String> {
+    let want = std::fs::canonicalize(path).expect("canonical path");
+    std::fs::read_dir("/proc/self/fd")
+        .expect("read /proc/self/fd")
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t == want))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
 }
 
 fn finish(handle: VmHandle, console: &Console) -> String {
@@ -167,6 +179,11 @@ fn run_guest(vda: &Path, vdb: &Path, vdc: &Path) -> Run {
         .map(|i| handle.block_stats(i).expect("stats"))
         .collect();
     let text = finish(handle, &console);
+    // The VMM closed every disk it was given (the detached one, and the others at the end).
+    for disk in [vda, vdb, vdc] {
+        let open = open_fds_of(disk);
+        assert!(open.is_empty(), "{} still open: {open:?}", disk.display());
+    }
 
     for want in [
         "blk-test: disk 0 capacity 2048 blk_size 512 seg_max 254 size_max 1048576 ro 0 flush 1 discard 1 write_zeroes 1 serial vda-serial",
@@ -222,9 +239,9 @@ fn guest_reads_writes_discards_and_sees_hot_attach_and_detach() {
     let vda = disk(VDA_SECTORS, 0);
     let vdb = disk(VDB_SECTORS, 1);
     let vdc = disk(VDC_SECTORS, 2);
-    let run = run_guest(vda.path(), vdb.path(), vdc.path());
+    let run = run_guest(&vda, &vdb, &vdc);
     assert_eq!(run.stats.len(), 3);
-    check_files(vda.path(), vdb.path(), vdc.path());
+    check_files(&vda, &vdb, &vdc);
 }
 
 /// A loop device over a file, detached on drop.
@@ -279,15 +296,15 @@ fn loop_devices_as_disks_carry_the_guests_data_to_their_files() {
     let vdc = disk(VDC_SECTORS, 2);
     {
         let (la, lb, lc) = (
-            Loop::new(vda.path(), false),
-            Loop::new(vdb.path(), true),
-            Loop::new(vdc.path(), false),
+            Loop::new(&vda, false),
+            Loop::new(&vdb, true),
+            Loop::new(&vdc, false),
         );
         run_guest(&la.dev, &lb.dev, &lc.dev);
         // Through the loop devices too (their own page cache, flushed by the guest's FLUSH).
         check_files(&la.dev, &lb.dev, &lc.dev);
     }
-    check_files(vda.path(), vdb.path(), vdc.path());
+    check_files(&vda, &vdb, &vdc);
 }
 
 #[test]
