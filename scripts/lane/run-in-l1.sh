@@ -83,14 +83,16 @@ if [ -n "$writable" ]; then
            -device "virtio-9p-pci,fsdev=writable,mount_tag=writable")
 fi
 
-# The VFIO option: an emulated IOMMU (DMA remapping; interrupt remapping needs a split irqchip
-# under KVM and is not needed here) as the first device, and the edu device behind it. iommu=pt
+# The VFIO option: an emulated IOMMU as the first device, and the edu device behind it. iommu=pt
 # keeps L1's own devices (9p) on identity mappings; a device bound to vfio-pci gets its own
-# domain. Off by default: the IOMMU costs L1 nothing it needs otherwise.
+# domain. DMA remapping only: without interrupt remapping vfio_iommu_type1 refuses a group
+# (VFIO_SET_IOMMU: EPERM) unless allow_unsafe_interrupts is set, which it is here (our VMM does
+# not route the device's MSIs yet, and L1's interrupt path stays as in every other lane run).
+# Off by default.
 iommu=() iommu_args=
 if [ "$vfio" = 1 ]; then
   iommu=(-device "intel-iommu,intremap=off" -device edu)
-  iommu_args=" intel_iommu=on iommu=pt"
+  iommu_args=" intel_iommu=on iommu=pt vfio_iommu_type1.allow_unsafe_interrupts=1"
 fi
 
 # QEMU's human monitor on a pair of FIFOs ($lane/monitor.in, .out), for the freeze watch below.

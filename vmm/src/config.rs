@@ -49,6 +49,14 @@ impl SerialSink {
     }
 }
 
+/// A host PCI device passed through with VFIO. It must be bound to vfio-pci already; the VMM
+/// opens its IOMMU group (/dev/vfio/<group>) and the container /dev/vfio/vfio.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VfioConfig {
+    /// The device's sysfs directory, e.g. /sys/bus/pci/devices/0000:00:04.0.
+    pub sysfs_path: PathBuf,
+}
+
 /// The hybrid vsock device: the guest's CID and the host Unix socket it listens on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VsockConfig {
@@ -111,6 +119,9 @@ pub struct VmConfig {
     /// Network cards (virtio-net on taps), in the order the guest sees them.
     pub nets: Vec<NetConfig>,
     pub boot_protocol: BootProtocol,
+    /// Host PCI devices passed through on the guest's PCI bus 0 (a PCI root exists only when
+    /// this is not empty).
+    pub vfio: Vec<VfioConfig>,
 }
 
 impl VmConfig {
@@ -126,6 +137,7 @@ impl VmConfig {
             vsock: None,
             shared_fs: None,
             nets: Vec::new(),
+            vfio: Vec::new(),
             boot_protocol: BootProtocol::Auto,
         }
     }
@@ -211,6 +223,15 @@ impl VmConfig {
             validate_mac(&net.mac)
                 .and_then(|()| net.mtu.map_or(Ok(()), validate_mtu))
                 .map_err(|e| VmmError::Config(format!("network card {i}: {e}")))?;
+        }
+        for v in &self.vfio {
+            // The IOMMU group link says the device exists and the kernel gave it a group.
+            std::fs::read_link(v.sysfs_path.join("iommu_group")).map_err(|e| {
+                VmmError::Config(format!(
+                    "VFIO device {}: no IOMMU group: {e}",
+                    v.sysfs_path.display()
+                ))
+            })?;
         }
         Ok(())
     }

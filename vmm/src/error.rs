@@ -38,6 +38,9 @@ pub enum VmmError {
     /// KVM cannot emulate (KVM_EXIT_INTERNAL_ERROR), a failed VM entry, an unknown exit.
     #[error("vCPU {vcpu}: {reason}")]
     GuestFault { vcpu: u8, reason: String },
+    /// A VFIO device could not be passed through.
+    #[error("VFIO: {0}")]
+    Vfio(#[from] crate::vfio::VfioError),
     /// The feature is not available in this build.
     #[error("not supported: {0}")]
     Unsupported(String),
