@@ -1,6 +1,8 @@
-//! VFIO passthrough on the EMBEDDED VMM: a host PCI device bound to vfio-pci is given to our
-//! Linux guest on the VMM's PCI root, and the guest kernel enumerates it with its real
-//! vendor:device id and the BAR the VMM placed.
+//! VFIO passthrough on the EMBEDDED VMM: a host PCI device bound to vfio-pci is given to a guest
+//! on the VMM's PCI root. Our Linux guest enumerates it with its real vendor:device id and the
+//! BAR the VMM placed; the `pci-edu` test guest (tests/guests/pci-edu.c) then drives the edu
+//! device itself through its BAR (identification and liveness registers), moves the BAR and
+//! turns decoding off, each checked against the device's answers.
 //!
 //! This needs a host whose KVM boots our guest AND a device bound to vfio-pci behind an IOMMU.
 //! `make test` runs it in the nested lane started with `--vfio` (docs/vfio.md): L1 has QEMU's
@@ -40,6 +42,20 @@ impl Console {
     }
 }
 
+/// The passed-through device's sysfs path, once checked to be bound to vfio-pci.
+fn vfio_device() -> PathBuf {
+    let sysfs = PathBuf::from(env("MICROVM_TEST_VFIO_DEVICE"));
+    let driver = std::fs::read_link(sysfs.join("driver"))
+        .unwrap_or_else(|e| panic!("{}: no driver bound: {e}", sysfs.display()));
+    assert!(
+        driver.ends_with("vfio-pci"),
+        "{} is bound to {}, not vfio-pci",
+        sysfs.display(),
+        driver.display()
+    );
+    sysfs
+}
+
 fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| {
         panic!("{name} is not set: run this test through scripts/lane/embedded-vmm-tests.sh in a lane started with --vfio (docs/vfio.md)")
@@ -49,7 +65,7 @@ fn env(name: &str) -> String {
 #[test]
 #[ignore = "needs KVM that boots a Linux guest and a device bound to vfio-pci; make test runs it in the nested lane with --vfio"]
 fn guest_sees_the_passed_through_pci_device() {
-    let sysfs = PathBuf::from(env("MICROVM_TEST_VFIO_DEVICE"));
+    let sysfs = vfio_device();
     let id = env("MICROVM_TEST_VFIO_ID");
     let kernel = artifacts::default_kernel();
     let initrd = artifacts::default_initrd();
@@ -61,14 +77,6 @@ fn guest_sees_the_passed_through_pci_device() {
     if let Some(why) = host_check::probe(Some(&kernel)).linux_guest_blocker() {
         panic!("this host cannot boot a Linux guest under the embedded VMM: {why}");
     }
-    let driver = std::fs::read_link(sysfs.join("driver"))
-        .unwrap_or_else(|e| panic!("{}: no driver bound: {e}", sysfs.display()));
-    assert!(
-        driver.ends_with("vfio-pci"),
-        "{} is bound to {}, not vfio-pci",
-        sysfs.display(),
-        driver.display()
-    );
 
     let console = Console::default();
     let mut cfg = vmm::VmConfig::new(kernel);
@@ -119,4 +127,45 @@ fn guest_sees_the_passed_through_pci_device() {
         "the guest did not see BAR 0 at the VMM's placement ({bar0:?}); PCI lines:\n{}",
         pci_lines.join("\n")
     );
+}
+
+#[test]
+#[ignore = "needs KVM and QEMU's edu device bound to vfio-pci; make test runs it in the nested lane with --vfio"]
+fn test_guest_drives_the_edu_device_through_its_bar() {
+    let sysfs = vfio_device();
+    assert_eq!(
+        env("MICROVM_TEST_VFIO_ID"),
+        "1234:11e8",
+        "the pci-edu guest speaks to QEMU's edu device only"
+    );
+    let elf = artifacts::default_guest_dir().join("pci-edu.elf");
+    assert!(
+        elf.is_file(),
+        "{} is missing: run `make guests`",
+        elf.display()
+    );
+    let console = Console::default();
+    let mut cfg = vmm::VmConfig::new(elf);
+    cfg.vcpus = 1;
+    cfg.memory_mib = 64;
+    cfg.serial = vmm::SerialSink::Writer(Box::new(console.clone()));
+    cfg.vfio = vec![vmm::VfioConfig { sysfs_path: sysfs }];
+    let vm = vmm::Vm::start(cfg).expect("the VMM starts with the device passed through");
+    // The guest resets the VM (i8042) after its RESULT line.
+    let ended = vm.wait_timeout(Duration::from_secs(60));
+    if ended.is_none() {
+        vm.stop();
+        let _ = vm.wait_timeout(Duration::from_secs(30));
+    }
+    let text = console.text();
+    println!("{text}");
+    let result = text
+        .lines()
+        .find(|l| l.starts_with("RESULT: "))
+        .unwrap_or_else(|| panic!("the guest printed no RESULT line; console:\n{text}"));
+    assert!(
+        result.starts_with("RESULT: PASS"),
+        "{result}; console:\n{text}"
+    );
+    assert!(ended.is_some(), "the VM did not end after its RESULT line");
 }
