@@ -202,6 +202,124 @@ mod tests {
         assert_eq!(b, [0x11, 0xff]);
     }
 
+    /// A device with one emulated 16-byte memory BAR backed by a register file, decoding only
+    /// while its command register has memory decoding on: what the window routes to.
+    struct Scratch {
+        bars: BarRegs,
+        command: u16,
+        data: [u8; 16],
+    }
+
+    impl PciDevice for Scratch {
+        fn config_read(&mut self, reg: usize) -> u32 {
+            match reg {
+                1 => u32::from(self.command),
+                4..=9 => self.bars.read(reg - 4),
+                _ => 0,
+            }
+        }
+        fn config_write(&mut self, offset: usize, data: &[u8]) {
+            match offset & !3 {
+                regs::COMMAND => {
+                    if let Some(v) = merge_dword(u32::from(self.command), offset & 3, data) {
+                        self.command = v as u16;
+                    }
+                }
+                o @ 0x10..=0x27 => {
+                    self.bars.write((o - 0x10) / 4, offset & 3, data);
+                }
+                _ => {}
+            }
+        }
+        fn bar_read(&mut self, space: BarSpace, addr: u64, data: &mut [u8]) -> bool {
+            let Some(bar) = self.bars.get(0) else {
+                return false;
+            };
+            match bar.contains(addr, data.len()) {
+                Some(o)
+                    if space == BarSpace::Memory && self.command & regs::COMMAND_MEMORY != 0 =>
+                {
+                    let o = o as usize;
+                    data.copy_from_slice(&self.data[o..o + data.len()]);
+                    true
+                }
+                _ => false,
+            }
+        }
+        fn bar_write(&mut self, space: BarSpace, addr: u64, data: &[u8]) -> bool {
+            let Some(bar) = self.bars.get(0) else {
+                return false;
+            };
+            match bar.contains(addr, data.len()) {
+                Some(o)
+                    if space == BarSpace::Memory && self.command & regs::COMMAND_MEMORY != 0 =>
+                {
+                    let o = o as usize;
+                    self.data[o..o + data.len()].copy_from_slice(data);
+                    true
+                }
+                _ => false,
+            }
+        }
+    }
+
+    #[test]
+    fn the_window_routes_to_the_bar_the_guest_placed_and_enabled() {
+        let mut bars = BarRegs::new();
+        let kind = BarKind::Memory32 {
+            prefetchable: false,
+        };
+        bars.set(
+            0,
+            Bar {
+                kind,
+                size: 16,
+                addr: 0x1000,
+            },
+        )
+        .unwrap();
+        let mut root = PciRoot::new();
+        let dev = Arc::new(Mutex::new(Scratch {
+            bars,
+            command: 0,
+            data: [0; 16],
+        }));
+        assert_eq!(root.add_device(dev).unwrap(), 1);
+        let root = Arc::new(root);
+        let mut io = PciConfigIo::new(root.clone());
+        let mut window = PciBarWindow::new(root, BarSpace::Memory, 0x1000);
+        let select = |io: &mut PciConfigIo, reg: u32| {
+            io.write(0, &(0x8000_0000u32 | (1 << 11) | (reg << 2)).to_le_bytes())
+        };
+
+        let mut d = [0u8; 4];
+        window.write(4, &[1, 2, 3, 4]);
+        window.read(4, &mut d);
+        assert_eq!(d, [0xff; 4], "decoding off: nothing answers");
+
+        select(&mut io, 1);
+        io.write(4, &(regs::COMMAND_MEMORY as u32).to_le_bytes());
+        window.write(4, &[1, 2, 3, 4]);
+        window.read(4, &mut d);
+        assert_eq!(d, [1, 2, 3, 4]);
+        window.read(14, &mut d);
+        assert_eq!(
+            d, [0xff; 4],
+            "an access running past the BAR is not decoded"
+        );
+
+        // The guest moves the BAR up by 0x100: the old address goes dead, the new one answers.
+        select(&mut io, 4);
+        io.write(4, &0x1100u32.to_le_bytes());
+        window.read(4, &mut d);
+        assert_eq!(d, [0xff; 4]);
+        window.read(0x104, &mut d);
+        assert_eq!(d, [1, 2, 3, 4]);
+        // An offset that overflows the window's base is dropped, not wrapped.
+        window.read(u64::MAX, &mut d);
+        assert_eq!(d, [0xff; 4]);
+    }
+
     #[test]
     fn slots_fill_in_order_and_run_out() {
         let mut root = PciRoot::new();
