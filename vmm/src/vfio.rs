@@ -163,6 +163,9 @@ impl VfioContext {
             command: 0,
         };
         self.place_bars(&mut dev)?;
+        // The guest starts from the device's own decode bits (vfio-pci usually leaves them off).
+        dev.command = dev.read_device_config(regs::COMMAND / 4) as u16;
+        dev.update_slots();
         Ok(dev)
     }
 
@@ -293,9 +296,10 @@ impl Drop for BarMap {
 /// A passed-through PCI device on our PCI root.
 pub struct VfioPciDevice {
     path: PathBuf,
+    // Fields drop in order: the BAR mappings go before the device (and its group) is released.
+    maps: [Option<BarMap>; BAR_COUNT],
     device: VfioDevice,
     bars: BarRegs,
-    maps: [Option<BarMap>; BAR_COUNT],
     vm_fd: Arc<OwnedFd>,
     /// The guest's command register (memory / I/O decode), as last written.
     command: u16,
