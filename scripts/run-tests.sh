@@ -59,7 +59,7 @@ if [ $check -eq 0 ]; then
   mapfile -t exes < <(executables | grep -v '^kvm_vfio_passthrough=')
   n_embedded=$(( n_embedded - n_vfio ))
   skipped_embedded=$n_vfio
-  echo "SKIPPED: $n_vfio VFIO passthrough test (kvm_vfio_passthrough): it needs a device bound to vfio-pci, which only the nested lane (run-in-l1.sh --vfio) provides"
+  echo "SKIPPED: $n_vfio VFIO passthrough tests (kvm_vfio_passthrough): they need a device bound to vfio-pci, which only the nested lane (run-in-l1.sh --vfio) provides"
   scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded" || status_all=1
   ran_embedded=1
 elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
