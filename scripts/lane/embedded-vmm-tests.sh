@@ -48,6 +48,15 @@ for arg in "$@"; do
   case "$name" in
     # #[ignore]d where make test cannot run them; here it can.
     kvm_linux_guest) limit=180; args=(--include-ignored --test-threads=1 --color=never); env=() ;;
+    # VFIO passthrough of QEMU's edu device (an L1 started with run-in-l1.sh --vfio): bound to
+    # vfio-pci here; if that fails the test runs without the device and fails saying so.
+    kvm_vfio_passthrough)
+      limit=180; args=(--include-ignored --test-threads=1 --color=never); env=()
+      if bound=$(scripts/lane/vfio-bind-edu.sh); then
+        env=(MICROVM_TEST_VFIO_DEVICE="$(echo "$bound" | sed -n 1p)" MICROVM_TEST_VFIO_ID=1234:11e8)
+        echo "embedded-vmm-tests: edu bound to vfio-pci: $(echo "$bound" | tr '\n' ' ')"
+      fi
+      ;;
     # The pod suites, on the embedded VMM instead of QEMU.
     cri_microvm|cri_microvm_net) limit=900; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
     *) limit=600; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;

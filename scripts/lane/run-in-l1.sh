@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs one command inside the nested lane's L1 (docs/nested-lane.md) and exits with its status.
 #
-#   scripts/lane/run-in-l1.sh [--memory-mib N] [--timeout SECONDS] [--writable DIR] -- CMD [ARG...]
+#   scripts/lane/run-in-l1.sh [--memory-mib N] [--timeout SECONDS] [--writable DIR] [--vfio]
+#                             -- CMD [ARG...]
 #
 # L1 is Debian's kernel under QEMU's software emulation (TCG, `-M q35 -cpu max -smp 1`), which
 # emulates AMD SVM with nested paging: inside it kvm_amd runs and our embedded VMM boots Linux
@@ -9,7 +10,9 @@
 # tmpfs (writes vanish with L1), so CMD sees this machine's files and binaries at their paths. It
 # runs as root in the current directory, with this environment's MICROVM_*, BENCH_*, RUST_* and
 # PATH; its output streams to stdout. --writable DIR shares DIR read-write at the same path, for
-# results that must outlive L1.
+# results that must outlive L1. --vfio (or MICROVM_LANE_VFIO=1) gives L1 an emulated IOMMU
+# (intel-iommu, `intel_iommu=on iommu=pt`) and QEMU's `edu` PCI device (1234:11e8) for VFIO
+# passthrough tests; scripts/lane/vfio-bind-edu.sh binds it to vfio-pci inside L1.
 #
 # Exit status: CMD's; 124 when the timeout (default 3600 s) ended L1, or when L1 froze (QEMU used
 # no CPU for 90 s and an NMI did not wake it: its vCPU state is printed first); 125 when L1 ended
@@ -21,13 +24,15 @@ here=$(cd "$(dirname "$0")" && pwd)
 memory_mib=${MICROVM_LANE_MEMORY_MIB:-8192}
 timeout=${MICROVM_LANE_TIMEOUT:-3600}
 writable=
+vfio=${MICROVM_LANE_VFIO:-0}
 
-usage() { echo "usage: $0 [--memory-mib N] [--timeout SECONDS] [--writable DIR] -- CMD [ARG...]" >&2; exit 2; }
+usage() { echo "usage: $0 [--memory-mib N] [--timeout SECONDS] [--writable DIR] [--vfio] -- CMD [ARG...]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --memory-mib) memory_mib=$2; shift 2 ;;
     --timeout) timeout=$2; shift 2 ;;
     --writable) writable=$(cd "$2" && pwd); shift 2 ;;
+    --vfio) vfio=1; shift ;;
     --) shift; break ;;
     *) usage ;;
   esac
@@ -76,6 +81,18 @@ fsdevs=(
 if [ -n "$writable" ]; then
   fsdevs+=(-fsdev "local,id=writable,path=$writable,security_model=none,multidevs=remap"
            -device "virtio-9p-pci,fsdev=writable,mount_tag=writable")
+fi
+
+# The VFIO option: an emulated IOMMU as the first device, and the edu device behind it. iommu=pt
+# keeps L1's own devices (9p) on identity mappings; a device bound to vfio-pci gets its own
+# domain. DMA remapping only: without interrupt remapping vfio_iommu_type1 refuses a group
+# (VFIO_SET_IOMMU: EPERM) unless allow_unsafe_interrupts is set, which it is here (our VMM does
+# not route the device's MSIs yet, and L1's interrupt path stays as in every other lane run).
+# Off by default.
+iommu=() iommu_args=
+if [ "$vfio" = 1 ]; then
+  iommu=(-device "intel-iommu,intremap=off" -device edu)
+  iommu_args=" intel_iommu=on iommu=pt vfio_iommu_type1.allow_unsafe_interrupts=1"
 fi
 
 # QEMU's human monitor on a pair of FIFOs ($lane/monitor.in, .out), for the freeze watch below.
@@ -132,10 +149,10 @@ timeout --kill-after=15 "$timeout" qemu-system-x86_64 \
   -accel tcg -M q35 -cpu max -smp 1 -m "${memory_mib}M" \
   -nodefaults -no-user-config -nographic -no-reboot -bios qboot.rom \
   -kernel "$image/vmlinuz" -initrd "$image/initrd.cpio.gz" \
-  -append "console=ttyS0 loglevel=1 edd=off panic=-1 microvm.lane.image=$image microvm.lane.stage2=$here/l1-stage2.sh" \
+  -append "console=ttyS0 loglevel=1 edd=off panic=-1$iommu_args microvm.lane.image=$image microvm.lane.stage2=$here/l1-stage2.sh" \
   -chardev stdio,id=console,signal=off -serial chardev:console \
   -chardev "pipe,id=monitor,path=$lane/monitor" -mon chardev=monitor,mode=readline \
-  "${fsdevs[@]}" < /dev/null &
+  "${iommu[@]}" "${fsdevs[@]}" < /dev/null &
 qemu_pid=$!
 # QEMU itself is timeout's child.
 for _ in $(seq 50); do

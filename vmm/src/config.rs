@@ -49,6 +49,14 @@ impl SerialSink {
     }
 }
 
+/// A host PCI device passed through with VFIO. It must be bound to vfio-pci already; the VMM
+/// opens its IOMMU group (/dev/vfio/<group>) and the container /dev/vfio/vfio.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VfioConfig {
+    /// The device's sysfs directory, e.g. /sys/bus/pci/devices/0000:00:04.0.
+    pub sysfs_path: PathBuf,
+}
+
 /// The hybrid vsock device: the guest's CID and the host Unix socket it listens on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VsockConfig {
@@ -144,6 +152,9 @@ pub struct VmConfig {
     /// Disks (virtio-blk), in the order the guest sees them (vda, vdb, ...).
     pub blocks: Vec<BlockConfig>,
     pub boot_protocol: BootProtocol,
+    /// Host PCI devices passed through on the guest's PCI bus 0 (a PCI root exists only when
+    /// this is not empty).
+    pub vfio: Vec<VfioConfig>,
 }
 
 impl VmConfig {
@@ -160,6 +171,7 @@ impl VmConfig {
             shared_fs: None,
             nets: Vec::new(),
             blocks: Vec::new(),
+            vfio: Vec::new(),
             boot_protocol: BootProtocol::Auto,
         }
     }
@@ -249,6 +261,15 @@ impl VmConfig {
         for (i, b) in self.blocks.iter().enumerate() {
             vmm_devices::virtio::block::validate_serial(&b.serial)
                 .map_err(|e| VmmError::Config(format!("disk {i}: {e}")))?;
+        }
+        for v in &self.vfio {
+            // The IOMMU group link says the device exists and the kernel gave it a group.
+            std::fs::read_link(v.sysfs_path.join("iommu_group")).map_err(|e| {
+                VmmError::Config(format!(
+                    "VFIO device {}: no IOMMU group: {e}",
+                    v.sysfs_path.display()
+                ))
+            })?;
         }
         Ok(())
     }

@@ -7,6 +7,9 @@ use std::sync::{Arc, Mutex};
 use event_manager::{MutEventSubscriber, SubscriberOps};
 use vmm_devices::bus::{Bus, SharedDevice};
 use vmm_devices::i8042::{I8042, I8042_PORT_BASE, I8042_PORT_LEN};
+use vmm_devices::pci::{
+    BarSpace, PciBarWindow, PciConfigIo, PciRoot, PCI_CONFIG_IO_BASE, PCI_CONFIG_IO_LEN,
+};
 use vmm_devices::serial::{EventFdTrigger, SerialDevice, SERIAL_PORT_LEN};
 use vmm_devices::virtio::mmio::MmioTransport;
 use vmm_devices::virtio::VirtioDevice;
@@ -15,8 +18,8 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::event_loop::{DeviceEventManager, Subscriber};
 use crate::kvm_vm::KvmVm;
 use crate::layout::{
-    SERIAL_GSI, SERIAL_PORT, VIRTIO_MMIO_BASE, VIRTIO_MMIO_FIRST_GSI, VIRTIO_MMIO_MAX_DEVICES,
-    VIRTIO_MMIO_SIZE,
+    PCI_IO_END, PCI_IO_START, PCI_MMIO_END, PCI_MMIO_START, SERIAL_GSI, SERIAL_PORT,
+    VIRTIO_MMIO_BASE, VIRTIO_MMIO_FIRST_GSI, VIRTIO_MMIO_MAX_DEVICES, VIRTIO_MMIO_SIZE,
 };
 use crate::memory::GuestMemory;
 use crate::VmmError;
@@ -115,5 +118,31 @@ impl DeviceManager {
             .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
         self.virtio_devices += 1;
         Ok(base)
+    }
+
+    /// Puts a PCI root on the buses: config mechanism #1 at 0xCF8..=0xCFF, and the BAR windows
+    /// (PCI_MMIO_START..PCI_MMIO_END on the MMIO bus, PCI_IO_START..PCI_IO_END on the port bus).
+    pub(crate) fn attach_pci(&mut self, root: PciRoot) -> Result<(), VmmError> {
+        let root = Arc::new(root);
+        let config: SharedDevice = Arc::new(Mutex::new(PciConfigIo::new(root.clone())));
+        self.pio
+            .insert(config, PCI_CONFIG_IO_BASE, PCI_CONFIG_IO_LEN)
+            .map_err(bus_err)?;
+        let mmio: SharedDevice = Arc::new(Mutex::new(PciBarWindow::new(
+            root.clone(),
+            BarSpace::Memory,
+            PCI_MMIO_START,
+        )));
+        self.mmio
+            .insert(mmio, PCI_MMIO_START, PCI_MMIO_END - PCI_MMIO_START)
+            .map_err(bus_err)?;
+        let io: SharedDevice = Arc::new(Mutex::new(PciBarWindow::new(
+            root,
+            BarSpace::Io,
+            PCI_IO_START,
+        )));
+        self.pio
+            .insert(io, PCI_IO_START, PCI_IO_END - PCI_IO_START)
+            .map_err(bus_err)
     }
 }

@@ -52,6 +52,9 @@ pub enum VmmError {
     /// There is no disk slot with this index.
     #[error("no disk slot {index} (the VM has {count})")]
     NoBlockSlot { index: usize, count: usize },
+    /// A VFIO device could not be passed through.
+    #[error("VFIO: {0}")]
+    Vfio(#[from] crate::vfio::VfioError),
     /// The feature is not available in this build.
     #[error("not supported: {0}")]
     Unsupported(String),

@@ -34,6 +34,14 @@ pub const VIRTIO_MMIO_SIZE: u64 = 0x1000;
 pub const VIRTIO_MMIO_FIRST_GSI: u32 = 5;
 /// How many virtio-mmio devices fit (GSIs 5..=23 on the IOAPIC).
 pub const VIRTIO_MMIO_MAX_DEVICES: u32 = 19;
+/// PCI (only when the VM has PCI devices): BARs are placed in this window of the MMIO gap, above
+/// the virtio-mmio slots and below the IOAPIC; I/O BARs in ports 0xc000..0x10000.
+pub const PCI_MMIO_START: u64 = 0xe000_0000;
+pub const PCI_MMIO_END: u64 = 0xfec0_0000;
+pub const PCI_IO_START: u64 = 0xc000;
+pub const PCI_IO_END: u64 = 0x1_0000;
+/// KVM memory slots for mmap-able BARs start here (guest RAM takes slots 0 and 1).
+pub const PCI_BAR_FIRST_SLOT: u32 = 16;
 /// The IOAPIC and the local APICs.
 pub const IOAPIC_START: u64 = 0xfec0_0000;
 pub const APIC_START: u64 = 0xfee0_0000;
@@ -49,3 +57,9 @@ pub const IOAPIC_PINS: u8 = 24;
 pub const MAX_MEMORY_MIB: u64 = 64 * 1024;
 /// The most vCPUs: APIC ids 0..=253, the IOAPIC takes the next id and 0xff is broadcast.
 pub const MAX_VCPUS: u8 = 254;
+
+// The PCI window sits in the MMIO gap, clear of the virtio-mmio slots and of the APICs.
+const _: () =
+    assert!(VIRTIO_MMIO_BASE + VIRTIO_MMIO_SIZE * VIRTIO_MMIO_MAX_DEVICES as u64 <= PCI_MMIO_START);
+const _: () = assert!(PCI_MMIO_START >= MMIO_GAP_START && PCI_MMIO_END <= IOAPIC_START);
+const _: () = assert!(SERIAL_PORT + 8 <= PCI_IO_START);

@@ -19,11 +19,12 @@ pub mod mptable;
 pub mod msrs;
 pub mod regs;
 mod vcpu;
+pub mod vfio;
 mod vm;
 
 pub use config::{
-    BlockBacking, BlockConfig, BootProtocol, NetConfig, SerialSink, SharedFsConfig, VmConfig,
-    VsockConfig,
+    BlockBacking, BlockConfig, BootProtocol, NetConfig, SerialSink, SharedFsConfig, VfioConfig,
+    VmConfig, VsockConfig,
 };
 pub use error::VmmError;
 pub use handle::VmHandle;

@@ -2,7 +2,7 @@
 //!
 //! 1. check the config;
 //! 2. guest memory and the KVM VM (irqchip, PIT, memory slots);
-//! 3. devices (serial, i8042, virtio) and the command line;
+//! 3. devices (serial, i8042, virtio, and a PCI root with VFIO devices) and the command line;
 //! 4. kernel, initrd, boot information, MP table, page tables;
 //! 5. vCPUs;
 //! 6. the device event-loop thread, then one thread per vCPU.
@@ -10,6 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use vmm_devices::pci::PciRoot;
 use vmm_devices::virtio::block::{Access, Block};
 use vmm_devices::virtio::fs::VirtioFs;
 use vmm_devices::virtio::net::{Net, Tap};
@@ -21,6 +22,7 @@ use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
 use crate::handle::{abort_start, new_running, Running, Shared, VmHandle};
 use crate::kvm_vm::KvmVm;
+use crate::layout::PCI_BAR_FIRST_SLOT;
 use crate::memory::create_guest_memory;
 use crate::regs::{write_page_tables, EntryMode};
 use crate::vcpu::{install_kick_handler, Vcpu};
@@ -99,6 +101,19 @@ impl Vm {
             let dev = Arc::new(Mutex::new(dev));
             devices.attach_virtio_device(&vm, &mem, dev.clone())?;
             blocks.push(dev);
+        }
+
+        if !cfg.vfio.is_empty() {
+            let mut vfio = crate::vfio::VfioContext::new(&vm, PCI_BAR_FIRST_SLOT)?;
+            let mut root = PciRoot::new();
+            for v in &cfg.vfio {
+                let dev = vfio.open_device(&v.sysfs_path, &mem)?;
+                let slot = root
+                    .add_device(Arc::new(Mutex::new(dev)))
+                    .map_err(|e| VmmError::Device(e.to_string()))?;
+                log::debug!("vfio {}: PCI 00:{slot:02x}.0", v.sysfs_path.display());
+            }
+            devices.attach_pci(root)?;
         }
 
         let kernel_err = |e: BootError| VmmError::Kernel {

@@ -10,6 +10,7 @@
 
 pub mod bus;
 pub mod i8042;
+pub mod pci;
 pub mod serial;
 pub mod virtio;
 
