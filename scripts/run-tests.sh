@@ -27,6 +27,25 @@ echo "== tests"
 # binary runs even when one before it failed (--no-fail-fast): each one's result line counts.
 cargo test --release --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee -a "$results" || status_all=1
 
+echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend)"
+# The same suites against trixie's containerd 1.7 and sid's 2.1, unpacked privately into the
+# cache (scripts/install-containerd.sh; never installed over the system's). They count like the
+# others. 2.1 runs the suites that pass on it; cri_microvm_net's kill -9 test fails there
+# (containerd 2.1 keeps the app container running after the shim died: docs/testing-containerd.md)
+# and joins when that is understood.
+for version in trixie:cri_microvm,cri_microvm_exec,cri_microvm_net sid:cri_microvm,cri_microvm_exec; do
+  suite=${version%%:*}
+  tests=${version#*:}
+  if bin=$(scripts/install-containerd.sh "$suite"); then
+    echo "-- containerd $(cat "$bin/../../version") ($suite): ${tests//,/ }"
+    MICROVM_TEST_CONTAINERD_BIN=$bin cargo test --release --no-fail-fast -p microvm-tests \
+      $(printf -- '--test %s ' ${tests//,/ }) -- --test-threads=2 2>&1 | tee -a "$results" || status_all=1
+  else
+    echo "FAILED: could not unpack the containerd of Debian $suite (scripts/install-containerd.sh)"
+    status_all=1
+  fi
+done
+
 echo "== linux guests on the embedded vmm"
 # The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
 # name. The first two are #[ignore]d in the plain run (counted here, where they run).
