@@ -97,7 +97,8 @@ impl Shim for MicrovmShim {
                 .map_err(|e| {
                     Error::Other(format!("tearing down the network of pod {pod_id}: {e}"))
                 })?;
-            state.cleanup().map_err(|e| {
+            // Then its processes, its host cgroup and the state directory.
+            crate::sandbox::release_cgroup_and_state(&state).map_err(|e| {
                 Error::Other(format!(
                     "cleaning up pod {pod_id} in {}: {e}",
                     state.path().display()
