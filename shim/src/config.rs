@@ -65,7 +65,7 @@ pub struct CgroupSettings {
     pub overhead_memory_mib: u64,
     /// CPU overhead (millicores) when neither the pod's annotation nor its pod cgroup gives one.
     pub overhead_cpu_millis: u64,
-    /// Whether a pod may set its own overhead with the `io.microvm.overhead.memory` / `.cpu`
+    /// Whether a pod may set its own overhead with the `microvm.io/overhead-memory` / `microvm.io/overhead-cpu`
     /// annotations (the allow-list; the pod cgroup still caps what it gets).
     pub overhead_annotations: bool,
 }

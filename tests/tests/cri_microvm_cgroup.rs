@@ -431,13 +431,13 @@ async fn the_pod_lives_in_its_host_cgroup_sized_from_the_pod_cgroup() {
     let guest_used = num(&m, &["memory", "anon"]);
     assert_eq!(num(&m, &["memory", "usage_limit"]), 512 * MI, "{m}");
     assert!(host_usage > guest_used && guest_used > 0, "{m}");
-    assert!(num(&m, &["memory", "max_usage"]) >= host_usage, "{m}");
+    // (max_usage, the host peak, is in the Metrics too, but containerd 1.6's ctr drops it:
+    // its cgroups v2 proto predates the field. The teardown log line carries the peak.)
     assert!(num(&m, &["cpu", "usage_usec"]) > 0, "{m}");
     assert!(num(&m, &["pids", "current"]) > 0, "{m}");
     eprintln!(
-        "sandbox metrics: host {} MiB (peak {} MiB), guest {} MiB",
+        "sandbox metrics: host {} MiB, guest {} MiB",
         host_usage / MI,
-        num(&m, &["memory", "max_usage"]) / MI,
         guest_used / MI
     );
 
@@ -490,8 +490,8 @@ async fn overhead_from_the_annotation_and_the_config_and_no_cgroup_after_a_faile
 
     let pc = PodCgroup::create(&ctrd, "b", Some(2048 * MI), Some(4000));
     let annotations: HashMap<String, String> = [
-        ("io.microvm.overhead.memory", "100Mi"),
-        ("io.microvm.overhead.cpu", "200m"),
+        ("microvm.io/overhead-memory", "100Mi"),
+        ("microvm.io/overhead-cpu", "200m"),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -14,9 +14,9 @@
 //! memory; CPU: vCPUs + overhead CPU per period), never above the pod cgroup's own limit.
 
 /// Pod annotation with the memory overhead (a Kubernetes quantity: `96Mi`, `100M`, `1.5Gi`).
-pub const ANN_OVERHEAD_MEMORY: &str = "io.microvm.overhead.memory";
+pub const ANN_OVERHEAD_MEMORY: &str = "microvm.io/overhead-memory";
 /// Pod annotation with the CPU overhead (a Kubernetes quantity: `250m`, `0.5`, `1`).
-pub const ANN_OVERHEAD_CPU: &str = "io.microvm.overhead.cpu";
+pub const ANN_OVERHEAD_CPU: &str = "microvm.io/overhead-cpu";
 /// The CFS period the host cgroup's CPU quota is given in (the kernel's default, 100 ms).
 pub const CPU_PERIOD_US: u64 = 100_000;
 
