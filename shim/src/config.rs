@@ -50,6 +50,35 @@ pub struct Config {
     pub log_level: String,
     /// QEMU backend settings.
     pub qemu: QemuSettings,
+    /// The pod's host cgroup and its overhead (docs/overhead.md).
+    pub cgroup: CgroupSettings,
+}
+
+/// Settings of the pod's host cgroup (`[cgroup]`; `resources::cgroup`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CgroupSettings {
+    /// Whether the shim makes `<pod cgroup>/microvm-<id>` and moves itself in (a pod whose
+    /// spec has no `linux.cgroupsPath` gets none either way).
+    pub enabled: bool,
+    /// Memory overhead (MiB) when neither the pod's annotation nor its pod cgroup gives one.
+    pub overhead_memory_mib: u64,
+    /// CPU overhead (millicores) when neither the pod's annotation nor its pod cgroup gives one.
+    pub overhead_cpu_millis: u64,
+    /// Whether a pod may set its own overhead with the `microvm.io/overhead-memory` / `microvm.io/overhead-cpu`
+    /// annotations (the allow-list; the pod cgroup still caps what it gets).
+    pub overhead_annotations: bool,
+}
+
+impl Default for CgroupSettings {
+    fn default() -> Self {
+        CgroupSettings {
+            enabled: true,
+            overhead_memory_mib: 160,
+            overhead_cpu_millis: 250,
+            overhead_annotations: true,
+        }
+    }
 }
 
 /// Settings of the QEMU backend.
@@ -84,6 +113,7 @@ impl Default for Config {
             max_memory_mib: 64 * 1024,
             log_level: "info".to_string(),
             qemu: QemuSettings::default(),
+            cgroup: CgroupSettings::default(),
         }
     }
 }
@@ -181,6 +211,11 @@ mod tests {
         assert_eq!(c.default_vcpus, 2);
         assert_eq!(c.qemu.binary, PathBuf::from("/opt/qemu"));
         assert_eq!(c.default_memory_mib, 256);
+        let c = Config::parse("[cgroup]\nenabled = false\noverhead_memory_mib = 64\n").unwrap();
+        assert!(!c.cgroup.enabled);
+        assert_eq!(c.cgroup.overhead_memory_mib, 64);
+        assert_eq!(c.cgroup.overhead_cpu_millis, 250);
+        assert!(Config::parse("[cgroup]\noverhead = 1\n").is_err());
     }
 
     #[test]

@@ -96,6 +96,12 @@ impl StateDir {
         self.path.join("network.json")
     }
 
+    /// The pod's host cgroup's undo record (resources/cgroup): written before the cgroup is
+    /// made, read by teardown, also from `<shim> delete` after a crash.
+    pub fn cgroup_record(&self) -> PathBuf {
+        self.path.join("cgroup.json")
+    }
+
     /// The folder shared with the guest.
     pub fn shared_dir(&self) -> PathBuf {
         self.path.join("shared")
@@ -138,6 +144,17 @@ impl StateDir {
             .any(|(pid, start)| start_time(pid) == Some(start))
     }
 
+    /// SIGKILLs the recorded VM processes that still run (a recycled pid is left alone) and
+    /// waits (bounded) for each to go; returns the pids killed. The host cgroup's release runs
+    /// after this and before [`cleanup`](Self::cleanup), which removes its record.
+    pub fn kill_vm_processes(&self) -> Vec<u32> {
+        read_records(&self.path.join(VM_PIDS_FILE))
+            .into_iter()
+            .filter(|&(pid, start)| kill_if_same(pid, start))
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
     /// Kills the recorded VM processes that still run, unmounts what is mounted under the
     /// directory (recorded mounts first, deepest first), and removes the directory. Safe to run
     /// twice and on a directory that does not exist.
@@ -146,11 +163,7 @@ impl StateDir {
         if !self.path.exists() {
             return Ok(report);
         }
-        for (pid, start) in read_records(&self.path.join(VM_PIDS_FILE)) {
-            if kill_if_same(pid, start) {
-                report.killed.push(pid);
-            }
-        }
+        report.killed = self.kill_vm_processes();
         let mut targets: Vec<PathBuf> = fs::read_to_string(self.path.join(MOUNTS_FILE))
             .unwrap_or_default()
             .lines()

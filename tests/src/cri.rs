@@ -314,6 +314,26 @@ impl CriClient {
         .map(|_| ())
     }
 
+    /// UpdateContainerResources of container `id` with `resources`.
+    pub async fn update_container_resources(
+        &self,
+        id: &str,
+        resources: k8s_cri::v1::LinuxContainerResources,
+    ) -> Result<(), CriError> {
+        self.call(
+            "UpdateContainerResources",
+            self.runtime.clone().update_container_resources(
+                k8s_cri::v1::UpdateContainerResourcesRequest {
+                    container_id: id.to_string(),
+                    linux: Some(resources),
+                    ..Default::default()
+                },
+            ),
+        )
+        .await
+        .map(|_| ())
+    }
+
     /// ExecSync with a timeout in seconds for the command itself (0: none; the call's own
     /// timeout still bounds it).
     pub async fn exec_sync(

@@ -4,6 +4,9 @@
 //! - [`storage`]: container rootfs and volume sources in the pod's shared folder (virtio-fs).
 //! - [`network`]: the pod network's host side (a tap per CNI interface, tc redirects both ways,
 //!   in the pod netns), recorded in `network.json`.
+//! - [`cgroup`]: the pod's host cgroup `<pod cgroup>/microvm-<id>` holding the shim and its
+//!   helpers, limited to the VM's size plus the overhead, recorded in `cgroup.json`.
 
+pub mod cgroup;
 pub mod network;
 pub mod storage;

@@ -3,20 +3,25 @@
 //! 1. the VM backend: the config's choice, checked against this host (`host_check`);
 //! 2. the VM's size, from the pod's annotations ([`spec::vm_size`]);
 //! 3. the pod's state directory, which records the shim's pid (crash cleanup starts here);
-//! 4. the network: a tap per CNI interface in the pod netns the sandbox spec names, redirected
+//! 4. the host cgroup: `<pod cgroup>/microvm-<id>` under the parent of the spec's
+//!    `linux.cgroupsPath`, limited to the VM's size plus the pod's overhead, with this whole
+//!    process moved in so every thread and helper that follows is inside
+//!    (`resources::cgroup`, recorded in the state directory before it is made; skipped with an
+//!    info log when the spec has no `cgroupsPath` or the config disables it);
+//! 5. the network: a tap per CNI interface in the pod netns the sandbox spec names, redirected
 //!    both ways (`resources::network`, recorded in the state directory before anything is made);
-//! 5. storage: the pod's shared folder, exported to the guest over virtio-fs;
-//! 6. the guest spec (kernel, initrd, size, hostname, log level, share, NICs, QEMU programs);
-//! 7. the VM, on its own thread: started, its host processes recorded, then the agent's ready
+//! 6. storage: the pod's shared folder, exported to the guest over virtio-fs;
+//! 7. the guest spec (kernel, initrd, size, hostname, log level, share, NICs, QEMU programs);
+//! 8. the VM, on its own thread: started, its host processes recorded, then the agent's ready
 //!    event awaited (`vm::ready`);
-//! 8. the agent: connected and checked;
-//! 9. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
-//!    addresses and routes;
-//! 10. the pod's sysctls, written in the guest before any container exists.
+//! 9. the agent: connected and checked;
+//! 10. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
+//!     addresses and routes;
+//! 11. the pod's sysctls, written in the guest before any container exists.
 //!
-//! A step that fails undoes the steps before it (the VM stopped, then the network and the state
-//! directory released: [`release_host_resources`]) and says which step failed. Cgroups and
-//! devices join as steps of their own here.
+//! A step that fails undoes the steps before it (the VM stopped, then the network, the host
+//! cgroup and the state directory released: [`release_host_resources`]) and says which step
+//! failed. Devices join as a step of their own here.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -26,6 +31,8 @@ use std::time::Duration;
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, Hypervisor};
 use crate::host_check;
+use crate::resources::cgroup::overhead::Defaults;
+use crate::resources::cgroup::{self, CgroupError, HostCgroup, SetupRequest};
 use crate::resources::network;
 use crate::state::{state_root, StateDir};
 use crate::task::bundle;
@@ -69,7 +76,17 @@ impl Sandbox {
         state
             .create(std::process::id())
             .map_err(SandboxError::State)?;
-        // 4. The network, in the pod netns containerd ran CNI in.
+        // 4. The host cgroup, before anything that spawns a process or thread for the pod.
+        let host_cgroup = match host_cgroup(id, config, req.spec, req.annotations, size, &state) {
+            Ok(c) => c,
+            Err(e) => {
+                if let Err(c) = release_host_resources(&state).await {
+                    log::warn!("cleaning up after a failed host cgroup: {c}");
+                }
+                return Err(SandboxError::Cgroup(e));
+            }
+        };
+        // 5. The network, in the pod netns containerd ran CNI in.
         let network = match bundle::network_namespace(req.spec) {
             Some(netns) => match network::setup(&netns, &state.network_record()).await {
                 Ok(n) => Some(n),
@@ -95,7 +112,7 @@ impl Sandbox {
             }
             None => (Vec::new(), None),
         };
-        // 5. Storage: the shared folder.
+        // 6. Storage: the shared folder.
         let shared_dir = state.shared_dir();
         if let Err(source) = std::fs::create_dir_all(&shared_dir) {
             let _ = release_host_resources(&state).await;
@@ -104,7 +121,7 @@ impl Sandbox {
                 source,
             });
         }
-        // 6. The guest spec.
+        // 7. The guest spec.
         let mut guest = GuestSpec::new(
             config.kernel.clone(),
             config.initrd.clone(),
@@ -128,7 +145,7 @@ impl Sandbox {
             size.vcpus,
             size.memory_mib
         );
-        // 7. The VM, up to the agent's ready event.
+        // 8. The VM, up to the agent's ready event.
         let record_in = state.clone();
         let record = Box::new(move |pids: &[u32]| {
             record_in
@@ -144,7 +161,7 @@ impl Sandbox {
                 return Err(e.into());
             }
         };
-        // 8. The agent.
+        // 9. The agent.
         let (agent, info) = match connect_agent(vm.agent_socket()).await {
             Ok(pair) => pair,
             Err(e) => {
@@ -162,7 +179,7 @@ impl Sandbox {
             info.kernel_release,
             info.boot_id
         );
-        // 9. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
+        // 10. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
         if let Some(request) = network_request {
             if let Err(source) = agent.configure_network(request).await {
                 discard(id, &vm, &state, DISCARDED_STATUS).await;
@@ -172,7 +189,7 @@ impl Sandbox {
                 });
             }
         }
-        // 10. The pod's sysctls go to the VM's namespaces, which its containers share, before
+        // 11. The pod's sysctls go to the VM's namespaces, which its containers share, before
         // any container exists; a sysctl the guest refuses fails the pod, naming it.
         if !req.sysctls.is_empty() {
             if let Err(source) = agent.set_sysctls(req.sysctls).await {
@@ -186,11 +203,52 @@ impl Sandbox {
         Ok(Sandbox {
             id: id.to_string(),
             state,
+            host_cgroup: std::sync::Mutex::new(host_cgroup),
             vm,
             agent,
             info,
         })
     }
+}
+
+/// Step 4: the pod's host cgroup, or none (no `cgroupsPath` in the spec, or disabled).
+fn host_cgroup(
+    id: &str,
+    config: &Config,
+    spec: &serde_json::Value,
+    annotations: &HashMap<String, String>,
+    size: spec::VmSize,
+    state: &StateDir,
+) -> Result<Option<HostCgroup>, CgroupError> {
+    if !config.cgroup.enabled {
+        log::info!("sandbox {id}: no host cgroup ([cgroup] enabled = false in the config)");
+        return Ok(None);
+    }
+    let cgroups_path = spec["linux"]["cgroupsPath"].as_str().unwrap_or_default();
+    if cgroups_path.is_empty() {
+        log::info!(
+            "sandbox {id}: no host cgroup (the spec names no linux.cgroupsPath, so there is no \
+             pod cgroup to put it in); the shim stays in containerd's cgroup"
+        );
+        return Ok(None);
+    }
+    let defaults = Defaults {
+        memory_bytes: config.cgroup.overhead_memory_mib.saturating_mul(1 << 20),
+        cpu_millis: config.cgroup.overhead_cpu_millis,
+        annotations_allowed: config.cgroup.overhead_annotations,
+    };
+    let cg = cgroup::setup(SetupRequest {
+        sandbox_id: id,
+        cgroups_path,
+        annotations,
+        containers: spec::containers_sum(annotations),
+        vm_memory_bytes: size.memory_mib.saturating_mul(1 << 20),
+        vcpus: size.vcpus,
+        defaults,
+        record: &state.cgroup_record(),
+    })?;
+    log::info!("sandbox {id}: {}", cg.describe());
+    Ok(Some(cg))
 }
 
 /// Step 1: the config's hypervisor on this host.
@@ -213,7 +271,7 @@ fn choose_backend(id: &str, config: &Config) -> Result<Backend, SandboxError> {
     })
 }
 
-/// Step 7: the agent, reachable now that it reported ready, answers Check.
+/// Step 9: the agent, reachable now that it reported ready, answers Check.
 async fn connect_agent(
     socket: &Path,
 ) -> Result<(AgentClient, crate::agent::AgentInfo), AgentError> {

@@ -21,6 +21,7 @@ use tokio::sync::watch;
 
 use crate::agent::{AgentClient, AgentError, AgentInfo};
 use crate::config::ConfigError;
+use crate::resources::cgroup::{self, CgroupError, HostCgroup, HostUsage};
 use crate::resources::network::{self, NetworkError};
 use crate::resources::storage::ShareError;
 use crate::state::{StateDir, StateError};
@@ -46,6 +47,8 @@ pub enum SandboxError {
     StateName(StateError),
     #[error("{0}")]
     State(StateError),
+    #[error("the pod's host cgroup: {0}")]
+    Cgroup(#[from] CgroupError),
     #[error("setting up the pod network: {0}")]
     Network(#[from] NetworkError),
     #[error("creating {path}: {source}")]
@@ -75,7 +78,9 @@ impl SandboxError {
             | SandboxError::Size(_)
             | SandboxError::StateName(_)
             | SandboxError::Spec(_) => Code::INVALID_ARGUMENT,
-            SandboxError::KvmUnusable(_) | SandboxError::Network(_) => Code::FAILED_PRECONDITION,
+            SandboxError::KvmUnusable(_) | SandboxError::Network(_) | SandboxError::Cgroup(_) => {
+                Code::FAILED_PRECONDITION
+            }
             SandboxError::State(_) | SandboxError::SharedDir { .. } | SandboxError::Task(_) => {
                 Code::INTERNAL
             }
@@ -97,6 +102,8 @@ impl From<ShareError> for SandboxError {
 pub struct Sandbox {
     id: String,
     state: StateDir,
+    /// The pod's host cgroup, if it has one (resized by Update).
+    host_cgroup: std::sync::Mutex<Option<HostCgroup>>,
     vm: VmThread,
     agent: AgentClient,
     info: AgentInfo,
@@ -116,6 +123,34 @@ impl Sandbox {
     /// The VM's hybrid-vsock socket (the agent's stdio streams).
     pub fn agent_socket(&self) -> &Path {
         self.vm.agent_socket()
+    }
+
+    /// The host cgroup's path, limits and usage, if the pod has one.
+    pub fn host_cgroup(&self) -> Option<(HostCgroup, HostUsage)> {
+        let cg = self.lock_cgroup().clone()?;
+        let usage = cg.usage();
+        Some((cg, usage))
+    }
+
+    /// Re-applies the host cgroup's limit rule after a container's resources changed (the pod
+    /// cgroup kubelet resized); `None` when the pod has no host cgroup.
+    pub fn resize_host_cgroup(&self) -> Result<Option<cgroup::overhead::Limits>, CgroupError> {
+        let mut guard = self.lock_cgroup();
+        match guard.as_mut() {
+            Some(cg) => {
+                let limits = cg.resize()?;
+                log::info!("sandbox {}: resized {}", self.id, cg.describe());
+                Ok(Some(limits))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn lock_cgroup(&self) -> std::sync::MutexGuard<'_, Option<HostCgroup>> {
+        // A panic while holding it left plain data: keep using it.
+        self.host_cgroup
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The guest's facts from the agent's Check at boot.
@@ -154,16 +189,28 @@ impl Sandbox {
 }
 
 /// Undoes the pod's host side after its VM ended (or never started): the pod network (taps and
-/// tc filters in the pod netns, from the state directory's record), then the state directory
-/// (recorded processes, mounts). The same order as `<shim> delete` after a crash.
+/// tc filters in the pod netns, from the state directory's record), the recorded VM processes
+/// killed, the host cgroup (this process moved back, the cgroup removed), then the state
+/// directory (mounts, the directory itself). The same order as `<shim> delete` after a crash.
 pub(crate) async fn release_host_resources(state: &StateDir) -> Result<String, String> {
     let network = network::teardown(&state.network_record())
         .await
         .map_err(|e| format!("tearing down the pod network: {e}"))?;
     let state = state.clone();
-    let report = tokio::task::spawn_blocking(move || state.cleanup())
+    let report = tokio::task::spawn_blocking(move || release_cgroup_and_state(&state))
         .await
-        .map_err(|e| format!("cleanup task: {e}"))?
-        .map_err(|e| e.to_string())?;
-    Ok(format!("network {network:?}, {report:?}"))
+        .map_err(|e| format!("cleanup task: {e}"))??;
+    Ok(format!("network {network:?}, {report}"))
+}
+
+/// The blocking part of a release (also `<shim> delete`'s): VM processes, host cgroup, state
+/// directory, in that order (a cgroup with live processes cannot be removed, and its record
+/// lives in the state directory).
+pub fn release_cgroup_and_state(state: &StateDir) -> Result<String, String> {
+    let killed = state.kill_vm_processes();
+    let cgroup = cgroup::release(&state.cgroup_record())
+        .map_err(|e| format!("removing the host cgroup: {e}"))?;
+    let mut report = state.cleanup().map_err(|e| e.to_string())?;
+    report.killed.extend(killed);
+    Ok(format!("cgroup {cgroup:?}, {report:?}"))
 }

@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 use crate::config::Config;
+use crate::resources::cgroup::overhead::{self, Amounts};
 
 pub use agent_protocol::{GUEST_SHARED_DIR, POD_PID_NAMESPACE, SHARED_FS_TAG};
 
@@ -330,6 +331,27 @@ pub fn vm_size(config: &Config, annotations: &HashMap<String, String>) -> Result
     Ok(VmSize { vcpus, memory_mib })
 }
 
+/// The containers' summed limits from the sandbox annotations (what kubelet sized the pod
+/// cgroup to, minus the RuntimeClass overhead): memory in bytes, CPU in millicores; `None` where
+/// the pod sets no limit or an annotation does not parse (the overhead then comes from
+/// elsewhere, `resources::cgroup::overhead`).
+pub fn containers_sum(annotations: &HashMap<String, String>) -> Amounts {
+    let num = |key: &str| annotations.get(key)?.trim().parse::<i64>().ok();
+    let memory_bytes = num(ANN_MEMORY)
+        .and_then(|b| u64::try_from(b).ok())
+        .filter(|b| *b > 0);
+    let cpu_millis = match (num(ANN_CPU_QUOTA), num(ANN_CPU_PERIOD)) {
+        (Some(quota), Some(period)) => {
+            overhead::quota_millis(quota, u64::try_from(period).unwrap_or(0))
+        }
+        _ => None,
+    };
+    Amounts {
+        memory_bytes,
+        cpu_millis,
+    }
+}
+
 /// How big a pod's VM is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VmSize {
@@ -349,6 +371,25 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn containers_sum_from_annotations() {
+        let a = ann(&[
+            (ANN_MEMORY, "268435456"),
+            (ANN_CPU_QUOTA, "150000"),
+            (ANN_CPU_PERIOD, "100000"),
+        ]);
+        let s = containers_sum(&a);
+        assert_eq!(s.memory_bytes, Some(256 << 20));
+        assert_eq!(s.cpu_millis, Some(1500));
+        assert_eq!(containers_sum(&HashMap::new()), Amounts::default());
+        let a = ann(&[
+            (ANN_MEMORY, "0"),
+            (ANN_CPU_QUOTA, "-1"),
+            (ANN_CPU_PERIOD, "100000"),
+        ]);
+        assert_eq!(containers_sum(&a), Amounts::default());
     }
 
     #[test]

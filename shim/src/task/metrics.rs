@@ -1,8 +1,21 @@
 //! An app container's cgroup v2 figures from the agent, as containerd expects them from a
 //! shim's Stats: an `Any` holding `io.containerd.cgroups.v2.Metrics` (what runc's shim sends on
 //! a cgroup v2 host), which containerd's CRI turns into ContainerStats (`crictl stats`).
+//!
+//! The sandbox's Stats, when the pod has a host cgroup (`resources::cgroup`), report both sides
+//! (docs/overhead.md):
+//! - `memory.usage`, `.usage_limit`, `.max_usage` and `cpu.*` are the host cgroup's: what the
+//!   pod costs the node against the limit the shim set, as a runc sandbox's metrics are its
+//!   cgroup's;
+//! - `memory.anon` is the guest's memory in use (the guest's RAM is anonymous memory of the
+//!   VMM on the host, so it is a part of `memory.usage`; the rest is the VMM's own overhead);
+//! - `pids.current` and `memory_events.oom_kill` are the guest's (its processes, its OOM kills).
+//!
+//! Without a host cgroup the sandbox reports the guest's figures in `memory` and `cpu`.
 
 use agent_protocol::agent::StatsResponse;
+
+use crate::resources::cgroup::HostUsage;
 use containerd_shim_protos::cgroups_v2::metrics::{
     CPUStat, MemoryEvents, MemoryStat, Metrics, PidsStat,
 };
@@ -47,9 +60,38 @@ pub fn metrics_from_stats(stats: &StatsResponse) -> Metrics {
     }
 }
 
-/// The metrics wrapped for a StatsResponse.
-pub fn metrics_any(stats: &StatsResponse) -> Result<Any, String> {
-    let value = metrics_from_stats(stats)
+/// The sandbox's metrics: the guest's figures with the host cgroup's usage in `memory` and
+/// `cpu` (module doc).
+pub fn sandbox_metrics(guest: &StatsResponse, host: &HostUsage) -> Metrics {
+    let mut m = metrics_from_stats(guest);
+    m.memory = Some(MemoryStat {
+        usage: host.memory_bytes,
+        usage_limit: host.memory_limit_bytes,
+        max_usage: host.memory_peak_bytes,
+        anon: guest.memory_usage_bytes,
+        ..Default::default()
+    })
+    .into();
+    m.cpu = Some(CPUStat {
+        usage_usec: host.cpu_usage_usec,
+        user_usec: host.cpu_user_usec,
+        system_usec: host.cpu_system_usec,
+        nr_periods: host.cpu_periods,
+        nr_throttled: host.cpu_throttled_periods,
+        throttled_usec: host.cpu_throttled_usec,
+        ..Default::default()
+    })
+    .into();
+    m
+}
+
+/// The metrics wrapped for a StatsResponse: the guest's, or a sandbox's with its host cgroup.
+pub fn metrics_any(stats: &StatsResponse, host: Option<&HostUsage>) -> Result<Any, String> {
+    let metrics = match host {
+        Some(h) => sandbox_metrics(stats, h),
+        None => metrics_from_stats(stats),
+    };
+    let value = metrics
         .write_to_bytes()
         .map_err(|e| format!("encoding cgroup metrics: {e}"))?;
     Ok(Any {
@@ -76,12 +118,31 @@ mod tests {
             oom_kills: 1,
             ..Default::default()
         };
-        let any = metrics_any(&stats).unwrap();
+        let any = metrics_any(&stats, None).unwrap();
         assert_eq!(any.type_url, "io.containerd.cgroups.v2.Metrics");
         let back = Metrics::parse_from_bytes(&any.value).unwrap();
         assert_eq!(back.memory.usage, 4 << 20);
         assert_eq!(back.memory.usage_limit, u64::MAX);
         assert_eq!(back.cpu.usage_usec, 1500);
+        assert_eq!(back.pids.current, 3);
+        assert_eq!(back.memory_events.oom_kill, 1);
+        // A sandbox with a host cgroup: memory and CPU are the host's, anon the guest's.
+        let host = HostUsage {
+            memory_bytes: 300 << 20,
+            memory_limit_bytes: 500 << 20,
+            memory_peak_bytes: 320 << 20,
+            cpu_usage_usec: 9000,
+            cpu_throttled_periods: 2,
+            ..Default::default()
+        };
+        let any = metrics_any(&stats, Some(&host)).unwrap();
+        let back = Metrics::parse_from_bytes(&any.value).unwrap();
+        assert_eq!(back.memory.usage, 300 << 20);
+        assert_eq!(back.memory.usage_limit, 500 << 20);
+        assert_eq!(back.memory.max_usage, 320 << 20);
+        assert_eq!(back.memory.anon, 4 << 20);
+        assert_eq!(back.cpu.usage_usec, 9000);
+        assert_eq!(back.cpu.nr_throttled, 2);
         assert_eq!(back.pids.current, 3);
         assert_eq!(back.memory_events.oom_kill, 1);
         // The name containerd's typeurl uses is the message's own full name.

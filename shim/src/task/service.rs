@@ -486,15 +486,16 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::StatsRequest,
     ) -> TtrpcResult<api::StatsResponse> {
-        // The sandbox (the VM) answers with the whole guest's figures (agent Stats of ""):
+        // The sandbox (the VM) answers with the whole guest's figures (agent Stats of "") and,
+        // when the pod has a host cgroup, that cgroup's usage next to them (task::metrics):
         // containerd asks every task for its metrics (ListContainerStats without a filter) and
         // logs an error for each that fails.
-        let (agent, agent_id, what) = {
+        let (agent, agent_id, host, what) = {
             let inner = self.inner.lock().await;
             let c = inner.get(&req.id)?;
             if c.is_app() {
                 let what = format!("reading the stats of container {}", req.id);
-                (inner.sandbox()?.agent(), req.id.clone(), what)
+                (inner.sandbox()?.agent(), req.id.clone(), None, what)
             } else {
                 if c.init.exit().is_some() {
                     return Err(
@@ -502,11 +503,13 @@ impl Task for TaskService {
                     );
                 }
                 let what = format!("reading the guest's stats for sandbox {}", req.id);
-                (inner.sandbox()?.agent(), String::new(), what)
+                let sandbox = inner.sandbox()?;
+                let host = sandbox.host_cgroup().map(|(_, usage)| usage);
+                (sandbox.agent(), String::new(), host, what)
             }
         };
         let stats = agent.stats(&agent_id).await.map_err(Error::agent(what))?;
-        let any = crate::task::metrics::metrics_any(&stats)
+        let any = crate::task::metrics::metrics_any(&stats, host.as_ref())
             .map_err(|e| Error::Internal(e.to_string()))?;
         Ok(api::StatsResponse {
             stats: Some(any).into(),
@@ -519,6 +522,9 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::UpdateTaskRequest,
     ) -> TtrpcResult<api::Empty> {
+        // The guest cgroup of the container first, then the host cgroup resized by the limit
+        // rule with the pod cgroup's current limits (resources::cgroup; the VM's own size is
+        // fixed at boot).
         let agent = {
             let inner = self.inner.lock().await;
             inner.app(&req.id)?;
@@ -538,6 +544,13 @@ impl Task for TaskService {
                 "updating the resources of container {}",
                 req.id
             )))?;
+        let inner = self.inner.lock().await;
+        inner.sandbox()?.resize_host_cgroup().map_err(|e| {
+            Error::Internal(format!(
+                "resizing the host cgroup after updating container {}: {e}",
+                req.id
+            ))
+        })?;
         Ok(api::Empty::new())
     }
 

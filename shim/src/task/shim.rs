@@ -92,7 +92,7 @@ impl Shim for MicrovmShim {
         let serving = !address.is_empty() && socket_serves(address).await;
         if !serving && !state.shim_alive() {
             // The same undo as a pod's teardown: the network first (its record lives in the
-            // state directory), then the state directory.
+            // state directory), then its processes, its host cgroup and the state directory.
             crate::sandbox::release_host_resources(&state)
                 .await
                 .map_err(|e| Error::Other(format!("cleaning up pod {pod_id}: {e}")))?;
