@@ -30,6 +30,8 @@ pub const RUNTIME_ID: &str = "io.containerd.microvm.v1";
 pub const CONFIG_PATH_ENV: &str = "MICROVM_CONFIG_PATH";
 /// How long `start` waits for a freshly spawned daemon to serve.
 const DAEMON_START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long `<shim> delete` waits for a shim whose socket no longer serves to finish exiting.
+const DYING_SHIM_WAIT: Duration = Duration::from_secs(5);
 
 /// The shim: `start`, `delete`, and the daemon's task service.
 pub struct MicrovmShim {
@@ -90,6 +92,15 @@ impl Shim for MicrovmShim {
         let address = std::fs::read_to_string(self.bundle.join("address")).unwrap_or_default();
         let address = address.trim();
         let serving = !address.is_empty() && socket_serves(address).await;
+        if !serving {
+            // A shim killed a moment ago has closed its socket (containerd saw that) before it
+            // has finished exiting: wait for it, bounded, or its pod is never cleaned up. A hung
+            // shim that still lives after the wait is left alone, as one that serves.
+            let deadline = std::time::Instant::now() + DYING_SHIM_WAIT;
+            while state.shim_alive() && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         if !serving && !state.shim_alive() {
             // The same undo as a pod's teardown: the network first (its record lives in the
             // state directory), then its processes, its host cgroup and the state directory.

@@ -30,7 +30,7 @@ use overhead::{Amounts, Defaults, Limits, Overhead};
 use path::PodCgroup;
 
 /// How long release waits for killed processes to leave the cgroup.
-const EMPTY_WAIT: Duration = Duration::from_secs(5);
+const EMPTY_WAIT: Duration = Duration::from_secs(15);
 /// A v1 memory limit at or above this is "unlimited" (the kernel shows PAGE_COUNTER_MAX pages).
 const V1_UNLIMITED: u64 = 1 << 62;
 
@@ -388,21 +388,28 @@ pub fn release(record_path: &Path) -> Result<ReleaseOutcome, CgroupError> {
         if cg.procs().iter().any(|p| p.pid == me) {
             move_back(&cg, &record, me)?;
         }
-        for pid in cg.procs() {
-            if pid.pid != me && kill(pid.pid) {
-                killed.push(pid.pid);
-            }
-        }
+        // Until the deadline: kill what is inside (a process may fork while we look), wait for
+        // it to be empty. Killed processes leave only once the kernel has torn them down, which
+        // takes seconds for a large VM on a loaded host.
         let deadline = Instant::now() + EMPTY_WAIT;
-        while !cg.procs().is_empty() && Instant::now() < deadline {
+        loop {
+            let procs = cg.procs();
+            if procs.is_empty() {
+                break;
+            }
+            for pid in procs {
+                if pid.pid != me && kill(pid.pid) && !killed.contains(&pid.pid) {
+                    killed.push(pid.pid);
+                }
+            }
+            if Instant::now() >= deadline {
+                let left: Vec<u64> = cg.procs().into_iter().map(|p| p.pid).collect();
+                return Err(CgroupError::Busy {
+                    cgroup: record.path,
+                    pids: left,
+                });
+            }
             std::thread::sleep(Duration::from_millis(20));
-        }
-        let left: Vec<u64> = cg.procs().into_iter().map(|p| p.pid).collect();
-        if !left.is_empty() {
-            return Err(CgroupError::Busy {
-                cgroup: record.path,
-                pids: left,
-            });
         }
         peak_bytes = usage_of(&cg, record.version).memory_peak_bytes;
         log::info!(
@@ -421,7 +428,18 @@ pub fn release(record_path: &Path) -> Result<ReleaseOutcome, CgroupError> {
                 ""
             }
         );
-        cg.delete().map_err(cg_err("removing", &record.path))?;
+        // An emptied cgroup can still be busy for a moment (the kernel finishing the exits):
+        // removal is retried until the deadline.
+        loop {
+            match cg.delete() {
+                Ok(()) => break,
+                Err(e) if Instant::now() < deadline => {
+                    log::debug!("host cgroup {}: removal retried: {e}", record.path);
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(cg_err("removing", &record.path)(e)),
+            }
+        }
     }
     remove_record(record_path)?;
     Ok(ReleaseOutcome::Removed {
