@@ -4,6 +4,9 @@
 //! - [`storage`]: container rootfs and volume sources in the pod's shared folder (virtio-fs).
 //! - [`network`]: the pod network's host side (a tap per CNI interface, tc redirects both ways,
 //!   in the pod netns), recorded in `network.json`.
+//! - [`devices`]: device plugins' devices (cold-plugged from kubelet's PodResources API, block
+//!   devices hot-plugged into reserved slots), recorded in `devices.json`.
 
+pub mod devices;
 pub mod network;
 pub mod storage;

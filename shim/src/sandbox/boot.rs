@@ -6,17 +6,22 @@
 //! 4. the network: a tap per CNI interface in the pod netns the sandbox spec names, redirected
 //!    both ways (`resources::network`, recorded in the state directory before anything is made);
 //! 5. storage: the pod's shared folder, exported to the guest over virtio-fs;
-//! 6. the guest spec (kernel, initrd, size, hostname, log level, share, NICs, QEMU programs);
-//! 7. the VM, on its own thread: started, its host processes recorded, then the agent's ready
+//! 6. devices: kubelet's PodResources API says which device plugins' devices the pod holds;
+//!    their block nodes become cold-plugged disks, their VFIO devices the VM's PCI devices, and
+//!    empty block slots are reserved for hot-plug (`resources::devices`, recorded in the state
+//!    directory);
+//! 7. the guest spec (kernel, initrd, size, hostname, log level, share, NICs, disks, VFIO
+//!    devices, QEMU programs);
+//! 8. the VM, on its own thread: started, its host processes recorded, then the agent's ready
 //!    event awaited (`vm::ready`);
-//! 8. the agent: connected and checked;
-//! 9. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
-//!    addresses and routes;
-//! 10. the pod's sysctls, written in the guest before any container exists.
+//! 9. the agent: connected and checked;
+//! 10. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
+//!     addresses and routes;
+//! 11. the pod's sysctls, written in the guest before any container exists.
 //!
 //! A step that fails undoes the steps before it (the VM stopped, then the network and the state
-//! directory released: [`release_host_resources`]) and says which step failed. Cgroups and
-//! devices join as steps of their own here.
+//! directory released: [`release_host_resources`]) and says which step failed. Cgroups join as
+//! a step of their own here.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -26,11 +31,13 @@ use std::time::Duration;
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, Hypervisor};
 use crate::host_check;
-use crate::resources::network;
+use crate::resources::{devices, network};
 use crate::state::{state_root, StateDir};
 use crate::task::bundle;
 use crate::vm::thread::{BootError, VmThread};
-use crate::vm::{Backend, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS};
+use crate::vm::{
+    Backend, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS,
+};
 
 use super::{release_host_resources, spec, Sandbox, SandboxError};
 
@@ -104,7 +111,47 @@ impl Sandbox {
                 source,
             });
         }
-        // 6. The guest spec.
+        // 6. Devices: what the pod holds at boot, and the empty slots beside them.
+        let cold = match devices::cold_plug(&config.devices, req.annotations).await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = release_host_resources(&state).await;
+                return Err(e.into());
+            }
+        };
+        let (hotplug, rw_slots, ro_slots) = match backend {
+            // QEMU's virtio-blk-device cannot be filled at runtime without QMP (docs/devices.md);
+            // the embedded VMM's virtio-blk comes with the "blk-device" branch.
+            Backend::Qemu => (devices::Hotplug::Unsupported("qemu"), 0, 0),
+            Backend::Kvm => (devices::Hotplug::Unsupported("embedded VMM"), 0, 0),
+        };
+        let layout = devices::disk_layout(&cold, rw_slots, ro_slots);
+        let device_table = match devices::DeviceTable::new(
+            state.devices_record(),
+            hotplug,
+            &layout,
+            &cold,
+            cold.vfio.clone(),
+        ) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = release_host_resources(&state).await;
+                return Err(e.into());
+            }
+        };
+        if !cold.disks.is_empty() || !cold.vfio.is_empty() {
+            log::info!(
+                "sandbox {id}: cold-plugging {} disks ({}) and {} VFIO devices",
+                cold.disks.len(),
+                cold.disks
+                    .iter()
+                    .map(|d| d.host.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                cold.vfio.len()
+            );
+        }
+        // 7. The guest spec.
         let mut guest = GuestSpec::new(
             config.kernel.clone(),
             config.initrd.clone(),
@@ -119,6 +166,31 @@ impl Sandbox {
             host_dir: shared_dir,
         });
         guest.nics = nics;
+        guest.vfio = cold.vfio.clone();
+        let mut cold_files: Vec<Option<std::fs::File>> =
+            cold.disks.into_iter().map(|d| Some(d.file)).collect();
+        for d in &layout {
+            let (serial, backing) = match d {
+                devices::DiskLayout::Cold { serial, cold: i } => {
+                    let read_only = device_table.cold_read_only(*i);
+                    let Some(file) = cold_files.get_mut(*i).and_then(Option::take) else {
+                        continue;
+                    };
+                    let file = Arc::new(file);
+                    (serial, DiskBacking::File { file, read_only })
+                }
+                devices::DiskLayout::Empty { serial, read_only } => (
+                    serial,
+                    DiskBacking::Empty {
+                        read_only: *read_only,
+                    },
+                ),
+            };
+            guest.disks.push(GuestDisk {
+                serial: serial.clone(),
+                backing,
+            });
+        }
         guest.qemu = QemuPrograms {
             qemu: config.qemu.binary.clone(),
             vhost_vsock: config.qemu.vhost_vsock_binary.clone(),
@@ -128,7 +200,7 @@ impl Sandbox {
             size.vcpus,
             size.memory_mib
         );
-        // 7. The VM, up to the agent's ready event.
+        // 8. The VM, up to the agent's ready event.
         let record_in = state.clone();
         let record = Box::new(move |pids: &[u32]| {
             record_in
@@ -144,7 +216,7 @@ impl Sandbox {
                 return Err(e.into());
             }
         };
-        // 8. The agent.
+        // 9. The agent.
         let (agent, info) = match connect_agent(vm.agent_socket()).await {
             Ok(pair) => pair,
             Err(e) => {
@@ -162,7 +234,7 @@ impl Sandbox {
             info.kernel_release,
             info.boot_id
         );
-        // 9. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
+        // 10. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
         if let Some(request) = network_request {
             if let Err(source) = agent.configure_network(request).await {
                 discard(id, &vm, &state, DISCARDED_STATUS).await;
@@ -172,7 +244,7 @@ impl Sandbox {
                 });
             }
         }
-        // 10. The pod's sysctls go to the VM's namespaces, which its containers share, before
+        // 11. The pod's sysctls go to the VM's namespaces, which its containers share, before
         // any container exists; a sysctl the guest refuses fails the pod, naming it.
         if !req.sysctls.is_empty() {
             if let Err(source) = agent.set_sysctls(req.sysctls).await {
@@ -189,6 +261,7 @@ impl Sandbox {
             vm,
             agent,
             info,
+            devices: device_table,
         })
     }
 }

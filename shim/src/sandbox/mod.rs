@@ -21,6 +21,7 @@ use tokio::sync::watch;
 
 use crate::agent::{AgentClient, AgentError, AgentInfo};
 use crate::config::ConfigError;
+use crate::resources::devices::{DeviceTable, DevicesError};
 use crate::resources::network::{self, NetworkError};
 use crate::resources::storage::ShareError;
 use crate::state::{StateDir, StateError};
@@ -65,6 +66,8 @@ pub enum SandboxError {
     OtherPod { pod: String, id: String },
     #[error("{0}")]
     Task(String),
+    #[error(transparent)]
+    Devices(#[from] DevicesError),
 }
 
 impl SandboxError {
@@ -80,6 +83,8 @@ impl SandboxError {
                 Code::INTERNAL
             }
             SandboxError::OtherPod { .. } => Code::NOT_FOUND,
+            SandboxError::Devices(e) if e.is_refusal() => Code::FAILED_PRECONDITION,
+            SandboxError::Devices(_) => Code::UNKNOWN,
             SandboxError::Boot(_) | SandboxError::Agent { .. } | SandboxError::Create { .. } => {
                 Code::UNKNOWN
             }
@@ -100,6 +105,7 @@ pub struct Sandbox {
     vm: VmThread,
     agent: AgentClient,
     info: AgentInfo,
+    devices: DeviceTable,
 }
 
 impl Sandbox {

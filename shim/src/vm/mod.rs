@@ -11,6 +11,7 @@ pub mod ready;
 pub mod thread;
 
 use std::fmt;
+use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -72,6 +73,36 @@ pub struct GuestSpec {
     pub qemu: QemuPrograms,
     /// Network cards (virtio-net on taps in the pod netns), eth0 first.
     pub nics: Vec<GuestNic>,
+    /// virtio-blk disks, in the order the guest sees them (vda, vdb, ...).
+    pub disks: Vec<GuestDisk>,
+    /// Host PCI devices (`/sys/bus/pci/devices/<address>`) to pass through with VFIO.
+    pub vfio: Vec<PathBuf>,
+}
+
+/// A virtio-blk disk of the guest; the guest finds it by its serial
+/// (`/sys/block/vdX/serial`, at most 20 bytes).
+#[derive(Debug, Clone)]
+pub struct GuestDisk {
+    pub serial: String,
+    pub backing: DiskBacking,
+}
+
+/// What a disk holds.
+#[derive(Debug, Clone)]
+pub enum DiskBacking {
+    /// A reserved empty slot (capacity 0), filled while the VM runs.
+    Empty { read_only: bool },
+    /// A host file or block device the shim opened (read-write, or read-only).
+    File { file: Arc<File>, read_only: bool },
+}
+
+impl DiskBacking {
+    /// Whether the guest may only read the disk.
+    pub fn read_only(&self) -> bool {
+        match self {
+            DiskBacking::Empty { read_only } | DiskBacking::File { read_only, .. } => *read_only,
+        }
+    }
 }
 
 /// A network card of the guest: a tap opened in the pod netns (`IFF_TAP | IFF_NO_PI |
@@ -121,6 +152,8 @@ impl GuestSpec {
             shared: None,
             qemu: QemuPrograms::default(),
             nics: Vec::new(),
+            disks: Vec::new(),
+            vfio: Vec::new(),
         }
     }
 
@@ -224,6 +257,9 @@ pub enum GuestVmError {
     /// A NIC's tap fd could not be duplicated for the VMM.
     #[error("cannot duplicate a network card's tap fd: {0}")]
     Tap(std::io::Error),
+    /// The backend cannot give the guest this.
+    #[error("this backend does not support {0}")]
+    Unsupported(&'static str),
     /// The memory size does not fit the backend.
     #[error("memory of {0} MiB is out of range for this backend")]
     Memory(u64),
@@ -382,6 +418,13 @@ impl GuestVm {
                 mtu: Some(nic.mtu),
             });
         }
+        if !spec.disks.is_empty() || !spec.vfio.is_empty() {
+            // The embedded VMM's virtio-blk and VFIO come from the "blk-device" and "vfio"
+            // branches; until they are merged a pod with disks cannot boot on it.
+            return Err(GuestVmError::Unsupported(
+                "block devices and VFIO devices on the embedded VMM",
+            ));
+        }
         let handle = vmm::Vm::start(cfg)?;
         let detail = format!("embedded vmm on /dev/kvm, {} entry", handle.boot_entry());
         Ok((Vm::Embedded(handle), detail))
@@ -407,6 +450,25 @@ impl GuestVm {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
         });
+        if !spec.vfio.is_empty() {
+            return Err(GuestVmError::Unsupported(
+                "VFIO devices on the QEMU backend",
+            ));
+        }
+        cfg.disks = spec
+            .disks
+            .iter()
+            .map(|d| match &d.backing {
+                DiskBacking::File { file, read_only } => Ok(qemu::QemuDisk {
+                    serial: d.serial.clone(),
+                    file: file.clone(),
+                    read_only: *read_only,
+                }),
+                DiskBacking::Empty { .. } => Err(GuestVmError::Unsupported(
+                    "empty block slots on the QEMU backend (it cannot hot-plug)",
+                )),
+            })
+            .collect::<Result<_, _>>()?;
         cfg.nics = spec
             .nics
             .iter()
