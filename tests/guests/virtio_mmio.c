@@ -56,6 +56,12 @@ static int parse_device_spec(const char **s, u64 *size, u64 *base, u64 *irq)
 int virtio_mmio_find(const char *cmdline, u32 device_id, struct virtio_mmio_dev *dev,
 		     struct strbuf *err)
 {
+	return virtio_mmio_find_nth(cmdline, device_id, 0, dev, err);
+}
+
+int virtio_mmio_find_nth(const char *cmdline, u32 device_id, u32 nth, struct virtio_mmio_dev *dev,
+			 struct strbuf *err)
+{
 	const char *p = cmdline;
 	u32 seen = 0;
 	virtio_mmio_map_gap();
@@ -93,6 +99,10 @@ int virtio_mmio_find(const char *cmdline, u32 device_id, struct virtio_mmio_dev 
 		seen++;
 		if (magic != VIRTIO_MMIO_MAGIC || id != device_id)
 			continue;
+		if (nth > 0) {
+			nth--;
+			continue;
+		}
 		if (version != 2) {
 			sb_str(err, "; only virtio-mmio version 2 is supported)");
 			return -1;

@@ -104,6 +104,10 @@ void virtio_mmio_map_gap(void);
 int virtio_mmio_find(const char *cmdline, u32 device_id, struct virtio_mmio_dev *dev,
 		     struct strbuf *err);
 
+/* The same for the `nth` (from 0) device with `device_id`, in command-line order. */
+int virtio_mmio_find_nth(const char *cmdline, u32 device_id, u32 nth, struct virtio_mmio_dev *dev,
+			 struct strbuf *err);
+
 /* Reset, ACKNOWLEDGE, DRIVER, accept exactly VIRTIO_F_VERSION_1, FEATURES_OK (checked). */
 int virtio_mmio_negotiate(const struct virtio_mmio_dev *dev, struct strbuf *err);
 

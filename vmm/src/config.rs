@@ -94,6 +94,37 @@ pub enum BootProtocol {
     Pvh,
 }
 
+/// A virtio-blk disk, in the order the guest sees them (vda, vdb, ...).
+#[derive(Debug)]
+pub struct BlockConfig {
+    /// The serial the guest reads (VIRTIO_BLK_T_GET_ID; /sys/block/vdX/serial), <= 20 bytes.
+    pub serial: String,
+    pub backing: BlockBacking,
+}
+
+/// What is behind a disk slot at boot.
+#[derive(Debug)]
+pub enum BlockBacking {
+    /// A reserved, empty slot (capacity 0) to be filled while the VM runs
+    /// ([`VmHandle::attach_block`](crate::VmHandle::attach_block)).
+    Empty { read_only: bool },
+    /// A regular file or a block device the embedder opened (O_RDWR, or O_RDONLY when
+    /// read_only); the VMM never opens host paths itself.
+    File {
+        file: std::fs::File,
+        read_only: bool,
+    },
+}
+
+impl BlockBacking {
+    /// Whether the slot is read-only (fixed for the VM's life: the guest negotiates it at probe).
+    pub fn read_only(&self) -> bool {
+        match self {
+            Self::Empty { read_only } | Self::File { read_only, .. } => *read_only,
+        }
+    }
+}
+
 /// Everything needed to boot a VM.
 #[derive(Debug)]
 pub struct VmConfig {
@@ -110,6 +141,8 @@ pub struct VmConfig {
     pub shared_fs: Option<SharedFsConfig>,
     /// Network cards (virtio-net on taps), in the order the guest sees them.
     pub nets: Vec<NetConfig>,
+    /// Disks (virtio-blk), in the order the guest sees them (vda, vdb, ...).
+    pub blocks: Vec<BlockConfig>,
     pub boot_protocol: BootProtocol,
 }
 
@@ -126,6 +159,7 @@ impl VmConfig {
             vsock: None,
             shared_fs: None,
             nets: Vec::new(),
+            blocks: Vec::new(),
             boot_protocol: BootProtocol::Auto,
         }
     }
@@ -211,6 +245,10 @@ impl VmConfig {
             validate_mac(&net.mac)
                 .and_then(|()| net.mtu.map_or(Ok(()), validate_mtu))
                 .map_err(|e| VmmError::Config(format!("network card {i}: {e}")))?;
+        }
+        for (i, b) in self.blocks.iter().enumerate() {
+            vmm_devices::virtio::block::validate_serial(&b.serial)
+                .map_err(|e| VmmError::Config(format!("disk {i}: {e}")))?;
         }
         Ok(())
     }
@@ -361,6 +399,21 @@ mod tests {
         c.nets = vec![net(good, Some(67))];
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("MTU 67 is below the minimum of 68"), "{e}");
+    }
+
+    #[test]
+    fn checks_each_disks_serial() {
+        let (mut c, _k) = cfg_with_kernel();
+        let disk = |serial: &str| BlockConfig {
+            serial: serial.into(),
+            backing: BlockBacking::Empty { read_only: true },
+        };
+        c.blocks = vec![disk(""), disk(&"s".repeat(20))];
+        c.validate().unwrap();
+        assert!(c.blocks[0].backing.read_only());
+        c.blocks.push(disk(&"s".repeat(21)));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("disk 2") && e.contains("longer than 20"), "{e}");
     }
 
     #[test]

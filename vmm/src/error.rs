@@ -38,6 +38,16 @@ pub enum VmmError {
     /// KVM cannot emulate (KVM_EXIT_INTERNAL_ERROR), a failed VM entry, an unknown exit.
     #[error("vCPU {vcpu}: {reason}")]
     GuestFault { vcpu: u8, reason: String },
+    /// A disk slot could not be changed (attach/detach while running).
+    #[error("disk slot {index}: {source}")]
+    Block {
+        index: usize,
+        #[source]
+        source: vmm_devices::virtio::block::BlockError,
+    },
+    /// There is no disk slot with this index.
+    #[error("no disk slot {index} (the VM has {count})")]
+    NoBlockSlot { index: usize, count: usize },
     /// The feature is not available in this build.
     #[error("not supported: {0}")]
     Unsupported(String),

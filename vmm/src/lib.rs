@@ -21,10 +21,15 @@ pub mod regs;
 mod vcpu;
 mod vm;
 
-pub use config::{BootProtocol, NetConfig, SerialSink, SharedFsConfig, VmConfig, VsockConfig};
+pub use config::{
+    BlockBacking, BlockConfig, BootProtocol, NetConfig, SerialSink, SharedFsConfig, VmConfig,
+    VsockConfig,
+};
 pub use error::VmmError;
 pub use handle::VmHandle;
 pub use vm::Vm;
+/// What a disk slot did ([`VmHandle::block_stats`]).
+pub use vmm_devices::virtio::block::BlockStats;
 /// Opens a tap for a [`NetConfig`] in the calling thread's network namespace.
 pub use vmm_devices::virtio::net::{open_tap, TapError};
 

@@ -10,12 +10,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use vmm_devices::virtio::block::{Access, Block};
 use vmm_devices::virtio::fs::VirtioFs;
 use vmm_devices::virtio::net::{Net, Tap};
 use vmm_devices::virtio::vsock::Vsock;
 
 use crate::boot::{self, BootError};
-use crate::config::{BootProtocol, VmConfig};
+use crate::config::{BlockBacking, BootProtocol, VmConfig};
 use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
 use crate::handle::{abort_start, new_running, Running, Shared, VmHandle};
@@ -76,6 +77,28 @@ impl Vm {
                 net.mtu
             );
             devices.attach_virtio_device(&vm, &mem, Arc::new(Mutex::new(dev)))?;
+        }
+        let mut blocks = Vec::with_capacity(cfg.blocks.len());
+        for (i, b) in std::mem::take(&mut cfg.blocks).into_iter().enumerate() {
+            let access = if b.backing.read_only() {
+                Access::ReadOnly
+            } else {
+                Access::ReadWrite
+            };
+            let file = match b.backing {
+                BlockBacking::Empty { .. } => None,
+                BlockBacking::File { file, .. } => Some(file),
+            };
+            let dev = Block::new(b.serial, file, access)
+                .map_err(|e| VmmError::Device(format!("virtio-blk {i}: {e}")))?;
+            log::debug!(
+                "virtio-blk {i}: serial {:?}, {} sectors, {access:?}",
+                dev.serial(),
+                dev.capacity()
+            );
+            let dev = Arc::new(Mutex::new(dev));
+            devices.attach_virtio_device(&vm, &mem, dev.clone())?;
+            blocks.push(dev);
         }
 
         let kernel_err = |e: BootError| VmmError::Kernel {
@@ -179,12 +202,13 @@ impl Vm {
         Ok(VmHandle {
             shared,
             running: Mutex::new(Some(running)),
-            vsock_uds_path: cfg.vsock.map(|v| v.uds_path),
+            vsock_uds_path: cfg.vsock.map(|v| v.uds_path.into_boxed_path()),
+            blocks: blocks.into_boxed_slice(),
             boot_time,
             started_at,
             vcpus: cfg.vcpus,
             memory_mib: cfg.memory_mib,
-            cmdline: cmdline_text,
+            cmdline: cmdline_text.into_boxed_str(),
             entry: mode,
         })
     }

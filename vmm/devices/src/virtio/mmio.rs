@@ -207,7 +207,9 @@ impl MmioTransport {
             // No shared memory regions: a length of all ones means "absent".
             reg::SHM_LEN_LOW | reg::SHM_LEN_HIGH => u32::MAX,
             reg::SHM_BASE_LOW | reg::SHM_BASE_HIGH => u32::MAX,
-            reg::CONFIG_GENERATION => self.config_generation,
+            reg::CONFIG_GENERATION => self
+                .config_generation
+                .wrapping_add(lock(&self.device).config_generation()),
             _ => {
                 log::debug!("virtio-mmio: read of unknown register {offset:#x}");
                 0
@@ -415,6 +417,7 @@ mod tests {
         activated: bool,
         activations: Arc<AtomicUsize>,
         config: [u8; 8],
+        generation: u32,
     }
 
     impl VirtioDevice for Recorder {
@@ -460,6 +463,9 @@ mod tests {
         fn is_activated(&self) -> bool {
             self.activated
         }
+        fn config_generation(&self) -> u32 {
+            self.generation
+        }
     }
 
     fn setup() -> (MmioTransport, Arc<Mutex<Recorder>>, Arc<AtomicUsize>) {
@@ -474,6 +480,7 @@ mod tests {
             activated: false,
             activations: activations.clone(),
             config: [1, 2, 3, 4, 5, 6, 7, 8],
+            generation: 0,
         }));
         let t = MmioTransport::new(dev.clone(), mem).unwrap();
         (t, dev, activations)
@@ -508,6 +515,22 @@ mod tests {
         w(t, reg::QUEUE_DRIVER_LOW, (base + 0x1000) as u32);
         w(t, reg::QUEUE_DEVICE_LOW, (base + 0x2000) as u32);
         w(t, reg::QUEUE_READY, 1);
+    }
+
+    #[test]
+    fn config_generation_counts_driver_writes_and_device_changes() {
+        let (mut t, dev, _) = setup();
+        let g0 = r(&mut t, reg::CONFIG_GENERATION);
+        // The device changed its config on its own (a disk's new capacity).
+        dev.lock().unwrap().generation = u32::MAX;
+        let g1 = r(&mut t, reg::CONFIG_GENERATION);
+        assert_ne!(g1, g0);
+        assert_eq!(g1, g0.wrapping_add(u32::MAX));
+        // A driver's config write counts too, and the sum wraps without a panic.
+        w(&mut t, reg::STATUS, status::ACKNOWLEDGE);
+        w(&mut t, reg::STATUS, status::ACKNOWLEDGE | status::DRIVER);
+        w(&mut t, reg::CONFIG, 0);
+        assert_eq!(r(&mut t, reg::CONFIG_GENERATION), g1.wrapping_add(1));
     }
 
     #[test]

@@ -9,10 +9,13 @@
 //! Threads: the transport runs on vCPU threads (register accesses), the device's event handling
 //! on the single device event-loop thread; the device is shared between them as `Arc<Mutex<_>>`.
 
+pub mod block;
 pub mod fs;
 pub mod mmio;
 pub mod net;
 pub mod queues;
+#[cfg(test)]
+pub(crate) mod test_chain;
 pub mod vsock;
 
 use std::io;
@@ -137,4 +140,9 @@ pub trait VirtioDevice: Send {
     fn reset(&mut self);
     /// Whether the device is activated.
     fn is_activated(&self) -> bool;
+    /// A counter the device bumps when it changes its config space on its own (e.g. a disk's
+    /// capacity); the transport adds it to the `ConfigGeneration` register it reports.
+    fn config_generation(&self) -> u32 {
+        0
+    }
 }

@@ -10,11 +10,12 @@ use std::sync::{Arc, Mutex};
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
 use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Address, Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::*;
+use crate::virtio::test_chain::TestQueue;
 use crate::virtio::{device_type, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
@@ -43,19 +44,11 @@ impl NetBackend for UnixDatagram {
 struct Guest {
     mem: GuestMemory,
     host: UnixDatagram,
-    avail_idx: [u16; 2],
-    used_seen: [u16; 2],
+    qs: [TestQueue; 2],
 }
 
 fn queue(mem: &GuestMemory, base: u64) -> Queue {
-    let mut q = Queue::new(QUEUE_SIZE).unwrap();
-    q.set_size(QSIZE);
-    q.set_desc_table_address(Some(base as u32), Some(0));
-    q.set_avail_ring_address(Some((base + 0x1000) as u32), Some(0));
-    q.set_used_ring_address(Some((base + 0x2000) as u32), Some(0));
-    q.set_ready(true);
-    assert!(q.is_valid(mem));
-    q
+    TestQueue::new(mem, base, QSIZE).queue(QUEUE_SIZE)
 }
 
 /// A guest driver and an activated device (MTU 1500) on a fresh socket pair.
@@ -69,12 +62,8 @@ fn setup() -> (Guest, Net<UnixDatagram>) {
     let queues = Q_BASE.iter().map(|&b| queue(&mem, b)).collect();
     dev.set_acked_features(dev.avail_features());
     dev.activate(mem.clone(), queues, irq).unwrap();
-    let g = Guest {
-        mem,
-        host,
-        avail_idx: [0; 2],
-        used_seen: [0; 2],
-    };
+    let qs = Q_BASE.map(|b| TestQueue::new(&mem, b, QSIZE));
+    let g = Guest { mem, host, qs };
     (g, dev)
 }
 
@@ -89,42 +78,16 @@ fn setup_in_event_loop() -> (Guest, Arc<Mutex<Net<UnixDatagram>>>, Em) {
 
 impl Guest {
     fn write_desc(&self, q: usize, idx: u16, addr: u64, len: u32, flags: u16, next: u16) {
-        let a = GuestAddress(Q_BASE[q] + u64::from(idx) * 16);
-        self.mem.write_obj(addr.to_le(), a).unwrap();
-        self.mem.write_obj(len.to_le(), a.unchecked_add(8)).unwrap();
-        self.mem
-            .write_obj(flags.to_le(), a.unchecked_add(12))
-            .unwrap();
-        self.mem
-            .write_obj(next.to_le(), a.unchecked_add(14))
-            .unwrap();
+        self.qs[q].write_desc(idx, addr, len, flags, next);
     }
 
     fn make_avail(&mut self, q: usize, head: u16) {
-        let avail = Q_BASE[q] + 0x1000;
-        let slot = u64::from(self.avail_idx[q] % QSIZE);
-        self.mem
-            .write_obj(head.to_le(), GuestAddress(avail + 4 + 2 * slot))
-            .unwrap();
-        self.avail_idx[q] = self.avail_idx[q].wrapping_add(1);
-        self.mem
-            .write_obj(self.avail_idx[q].to_le(), GuestAddress(avail + 2))
-            .unwrap();
+        self.qs[q].make_avail(head);
     }
 
     /// New used entries (id, len) of queue `q`.
     fn take_used(&mut self, q: usize) -> Vec<(u32, u32)> {
-        let used = Q_BASE[q] + 0x2000;
-        let idx: u16 = self.mem.read_obj(GuestAddress(used + 2)).unwrap();
-        let mut out = Vec::new();
-        while self.used_seen[q] != idx {
-            let e = used + 4 + 8 * u64::from(self.used_seen[q] % QSIZE);
-            let id: u32 = self.mem.read_obj(GuestAddress(e)).unwrap();
-            let len: u32 = self.mem.read_obj(GuestAddress(e + 4)).unwrap();
-            out.push((id, len));
-            self.used_seen[q] = self.used_seen[q].wrapping_add(1);
-        }
-        out
+        self.qs[q].take_used()
     }
 
     /// Posts receive buffer `i` (one writable descriptor of `RX_BUF_SIZE` bytes).

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use virtio_bindings::bindings::virtio_ring::VRING_DESC_F_WRITE;
-use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::packet::{VsockHeader, HDR_SIZE};
 use super::*;
+use crate::virtio::test_chain::TestQueue;
 use crate::virtio::{IrqTrigger, VirtioDevice};
 use crate::GuestMemory;
 
@@ -67,8 +67,7 @@ struct Guest {
     mem: GuestMemory,
     dev: Vsock,
     irq: Arc<IrqTrigger>,
-    avail_idx: [u16; 3],
-    used_seen: [u16; 3],
+    qs: [TestQueue; 3],
     tx_slot: u16,
     received: VecDeque<(VsockHeader, Vec<u8>)>,
     /// RX buffers given back with length 0 or a bad length.
@@ -80,27 +79,15 @@ impl Guest {
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
         let mut dev = Vsock::with_max_connections(GUEST_CID, path, max_conns).unwrap();
         let irq = Arc::new(IrqTrigger::new(EventFd::new(EFD_NONBLOCK).unwrap()));
-        let queues = Q_BASE
-            .iter()
-            .map(|&b| {
-                let mut q = Queue::new(QUEUE_SIZE).unwrap();
-                q.set_size(QUEUE_SIZE);
-                q.set_desc_table_address(Some(b as u32), Some(0));
-                q.set_avail_ring_address(Some((b + 0x1000) as u32), Some(0));
-                q.set_used_ring_address(Some((b + 0x2000) as u32), Some(0));
-                q.set_ready(true);
-                assert!(q.is_valid(&mem));
-                q
-            })
-            .collect();
+        let qs = Q_BASE.map(|b| TestQueue::new(&mem, b, QUEUE_SIZE));
+        let queues = qs.iter().map(|q| q.queue(QUEUE_SIZE)).collect();
         dev.set_acked_features(dev.avail_features());
         dev.activate(mem.clone(), queues, irq.clone()).unwrap();
         let mut g = Self {
             mem,
             dev,
             irq,
-            avail_idx: [0; 3],
-            used_seen: [0; 3],
+            qs,
             tx_slot: 0,
             received: VecDeque::new(),
             bad_rx: 0,
@@ -119,40 +106,16 @@ impl Guest {
     }
 
     fn write_desc(&self, q: usize, idx: u16, addr: u64, len: u32, flags: u16) {
-        let a = GuestAddress(Q_BASE[q] + u64::from(idx) * 16);
-        self.mem.write_obj(addr.to_le(), a).unwrap();
-        self.mem.write_obj(len.to_le(), a.unchecked_add(8)).unwrap();
-        self.mem
-            .write_obj(flags.to_le(), a.unchecked_add(12))
-            .unwrap();
-        self.mem.write_obj(0u16, a.unchecked_add(14)).unwrap();
+        self.qs[q].write_desc(idx, addr, len, flags, 0);
     }
 
     fn make_avail(&mut self, q: usize, head: u16) {
-        let avail = Q_BASE[q] + 0x1000;
-        let slot = u64::from(self.avail_idx[q] % QUEUE_SIZE);
-        self.mem
-            .write_obj(head.to_le(), GuestAddress(avail + 4 + 2 * slot))
-            .unwrap();
-        self.avail_idx[q] = self.avail_idx[q].wrapping_add(1);
-        self.mem
-            .write_obj(self.avail_idx[q].to_le(), GuestAddress(avail + 2))
-            .unwrap();
+        self.qs[q].make_avail(head);
     }
 
     /// New used entries of queue `q`.
     fn take_used(&mut self, q: usize) -> Vec<(u32, u32)> {
-        let used = Q_BASE[q] + 0x2000;
-        let idx: u16 = self.mem.read_obj(GuestAddress(used + 2)).unwrap();
-        let mut out = Vec::new();
-        while self.used_seen[q] != idx {
-            let e = used + 4 + 8 * u64::from(self.used_seen[q] % QUEUE_SIZE);
-            let id: u32 = self.mem.read_obj(GuestAddress(e)).unwrap();
-            let len: u32 = self.mem.read_obj(GuestAddress(e + 4)).unwrap();
-            out.push((id, len));
-            self.used_seen[q] = self.used_seen[q].wrapping_add(1);
-        }
-        out
+        self.qs[q].take_used()
     }
 
     /// Sends a raw chain of readable descriptors (addr, len) on the TX queue.
@@ -655,7 +618,7 @@ fn hostile_rx_buffers_and_avail_index() {
     let path = temp_sock("x2.sock");
     let mut g = Guest::new(&path, 8);
     // Replace all RX buffers by bad ones: too small, out of memory.
-    let used_before = g.used_seen[RX_QUEUE];
+    let used_before = g.qs[RX_QUEUE].used_seen();
     for i in 0..RX_BUFS {
         let (addr, len) = if i % 2 == 0 {
             (RX_BUF_BASE, 10)
@@ -666,7 +629,7 @@ fn hostile_rx_buffers_and_avail_index() {
     }
     // A packet is pending (RST for a stray RW); bad buffers are returned empty.
     g.send(ghdr(op::RW, 1, 2), b"x");
-    assert!(g.used_seen[RX_QUEUE] != used_before);
+    assert!(g.qs[RX_QUEUE].used_seen() != used_before);
     assert!(g.received.is_empty());
     // Restore good buffers: the RST still arrives.
     for i in 0..RX_BUFS {
@@ -685,7 +648,7 @@ fn hostile_rx_buffers_and_avail_index() {
     // the host: nothing is processed and nothing panics.
     g.mem
         .write_obj(
-            g.avail_idx[TX_QUEUE].wrapping_add(1000),
+            g.qs[TX_QUEUE].avail_idx().wrapping_add(1000),
             GuestAddress(Q_BASE[TX_QUEUE] + 0x1002),
         )
         .unwrap();
