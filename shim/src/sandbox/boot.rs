@@ -120,10 +120,13 @@ impl Sandbox {
             }
         };
         let (hotplug, rw_slots, ro_slots) = match backend {
-            // QEMU's virtio-blk-device cannot be filled at runtime without QMP (docs/devices.md);
-            // the embedded VMM's virtio-blk comes with the "blk-device" branch.
+            // QEMU's virtio-blk-device cannot be filled at runtime without QMP (docs/devices.md).
             Backend::Qemu => (devices::Hotplug::Unsupported("qemu"), 0, 0),
-            Backend::Kvm => (devices::Hotplug::Unsupported("embedded VMM"), 0, 0),
+            Backend::Kvm => (
+                devices::Hotplug::Supported,
+                usize::from(config.devices.block_slots),
+                usize::from(config.devices.block_slots_read_only),
+            ),
         };
         let layout = devices::disk_layout(&cold, rw_slots, ro_slots);
         let device_table = match devices::DeviceTable::new(

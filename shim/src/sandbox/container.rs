@@ -56,15 +56,15 @@ impl Sandbox {
             pids,
         } = c;
         // Devices first: a refused device fails the create before anything is shared.
-        let prepared = self.devices.prepare(&id, &spec)?;
-        if let Some(a) = prepared.attach.first() {
-            // Hot-plug is off on every backend of this build (resources::devices::Hotplug), so
-            // prepare never asks for a slot; refuse rather than hand the guest a missing disk.
-            self.devices.release(&id);
-            return Err(SandboxError::Devices(DevicesError::Attach {
-                device: a.device.clone(),
-                detail: "this VM has no hot-plug slots".into(),
-            }));
+        let mut prepared = self.devices.prepare(&id, &spec)?;
+        for a in std::mem::take(&mut prepared.attach) {
+            if let Err(detail) = self.vm.attach_block(a.index, a.serial, a.file).await {
+                self.release_devices(&id).await;
+                return Err(SandboxError::Devices(DevicesError::Attach {
+                    device: a.device,
+                    detail,
+                }));
+            }
         }
         devices::oci::remove_devices(&mut spec, &prepared.removed);
         let block_devices: Vec<agent_protocol::agent::BlockDevice> = prepared
@@ -81,7 +81,7 @@ impl Sandbox {
         let binds = match spec::rewrite_for_guest(&mut spec, &id, std::process::id()) {
             Ok(b) => b,
             Err(e) => {
-                self.devices.release(&id);
+                self.release_devices(&id).await;
                 return Err(e.into());
             }
         };
@@ -97,7 +97,7 @@ impl Sandbox {
         let shared = match shared {
             Ok(s) => s,
             Err(e) => {
-                self.devices.release(&id);
+                self.release_devices(&id).await;
                 return Err(e);
             }
         };
@@ -136,7 +136,7 @@ impl Sandbox {
         if was_shared {
             self.unshare(&id).await;
         }
-        self.devices.release(&id);
+        self.release_devices(&id).await;
         let tail = self.vm.console_tail(CONSOLE_TAIL_LINES);
         log::warn!("creating container {id} failed: {message}; guest console ends with:\n{tail}");
         // A timeout says nothing by itself: the guest's last words go to the user too.
@@ -154,7 +154,16 @@ impl Sandbox {
             log::warn!("removing container {id} in the guest: {e}");
         }
         self.unshare(id).await;
-        self.devices.release(id);
+        self.release_devices(id).await;
+    }
+
+    /// Container `id` no longer holds its devices: the slots nobody holds any more are emptied.
+    async fn release_devices(&self, id: &str) {
+        for index in self.devices.release(id) {
+            if let Err(e) = self.vm.detach_block(index).await {
+                log::warn!("container {id}: emptying disk slot {index}: {e}");
+            }
+        }
     }
 
     async fn unshare(&self, id: &str) {
