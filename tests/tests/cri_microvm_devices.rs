@@ -328,3 +328,66 @@ async fn an_allocates_envs_mounts_and_annotations_reach_the_container_as_with_ru
     assert_eq!(seen[0], ["env=d0,d1", "plugin-info", "mount-ro"]);
     assert_eq!(seen[1], seen[0], "microvm differs from runc");
 }
+
+/// Hot-plug on the embedded VMM: block devices the pod did not hold at boot fill its empty
+/// slots (one read-write, per the config here), a container writes through one and the bytes are
+/// on the host, a full pod is refused naming the device and the limit, and removing the
+/// container empties the slot for the next one. Under QEMU (cold-plug only) the refusal is
+/// checked by the test above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_plugged_disks_fill_empty_slots_and_are_detached_on_removal() {
+    if test_hypervisor() != "kvm" {
+        eprintln!("hot-plug needs the embedded VMM (MICROVM_TEST_HYPERVISOR=kvm): skipped");
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = LoopDevice::new(dir.path(), "hot-a", b"");
+    let b = LoopDevice::new(dir.path(), "hot-b", b"");
+    let config = write_config(dir.path(), None);
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!(
+        "[devices]\npod_resources_socket = \"{}\"\nblock_slots = 1\nblock_slots_read_only = 0\n",
+        dir.path().join("no-kubelet.sock").display()
+    ));
+    std::fs::write(&config, text).unwrap();
+    let (ctrd, cri) = start_ctrd(&config).await;
+    let pod = run_pod(&ctrd, &cri, "dev-hot").await;
+
+    let holder = with_devices(
+        "hot-a",
+        "printf hot-plugged-disk | dd of=/dev/xvda bs=512 conv=sync,fsync 2>/dev/null && sleep 3600",
+        vec![device("/dev/xvda", &a.path(), "rwm")],
+    );
+    let id = cri.create_container(&pod, holder).await.unwrap();
+    cri.start_container(&id).await.unwrap_or_else(|e| {
+        panic!(
+            "StartContainer hot-a: {e}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        )
+    });
+    // The one slot is taken: a second device is refused naming it and the limit.
+    let second = with_devices("hot-b", "true", vec![device("/dev/xvdb", &b.path(), "rwm")]);
+    let e = start_refused(&cri, &pod, second).await;
+    assert!(e.contains("/dev/xvdb (b "), "{e}");
+    assert!(e.contains("all 1 read-write block slots"), "{e}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while a.head(16) != b"hot-plugged-disk" {
+        assert!(std::time::Instant::now() < deadline, "no bytes on the host");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    cri.stop_container(&id, 0).await.unwrap();
+    cri.remove_container(&id).await.unwrap();
+
+    // The slot is free again.
+    let config = with_devices(
+        "hot-b",
+        "printf second-disk | dd of=/dev/xvdb bs=512 conv=sync,fsync 2>/dev/null && echo ok",
+        vec![device("/dev/xvdb", &b.path(), "rwm")],
+    );
+    let exited = run_container_to_exit(&ctrd, &cri, &pod, config, EXIT_TIMEOUT).await;
+    assert_eq!(exited.stdout(), ["ok"]);
+    cri.remove_container(&exited.id).await.unwrap();
+    remove_pod(&ctrd, &cri, &pod).await;
+    assert_eq!(b.head(11), b"second-disk");
+}
