@@ -29,7 +29,7 @@ cargo test --release --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee -
 
 echo "== linux guests on the embedded vmm"
 # The pod suites (containerd + CRI) and the plain boot tests, by cargo target name.
-embedded_targets=(kvm_linux_guest cri_microvm cri_microvm_exec cri_microvm_net)
+embedded_targets=(kvm_linux_guest cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_devices)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_embedded=$n_linux
 for t in "${embedded_targets[@]:1}"; do
