@@ -50,6 +50,10 @@ impl LoopDevice {
         f.write_all(marker).unwrap();
         f.set_len(4 << 20).unwrap();
         drop(f);
+        // A host without a loop device yet (the nested lane's L1) gets the module first.
+        if !Path::new("/dev/loop-control").exists() {
+            let _ = Command::new("modprobe").arg("loop").status();
+        }
         let out = Command::new("losetup")
             .args(["--find", "--show"])
             .arg(&file)
