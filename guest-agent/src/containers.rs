@@ -528,13 +528,28 @@ impl Containers {
         id: &str,
         spec_json: &[u8],
         stdio: StdioRequest,
+        blocks: &[crate::blockdev::BlockRequest],
     ) -> Result<u32, ContainerError> {
         check_id(id)?;
         if self.entry(id).is_ok() {
             return Err(ContainerError::Exists(id.to_owned()));
         }
-        let mut spec: Spec =
+        let mut value: serde_json::Value =
             serde_json::from_slice(spec_json).map_err(|source| ContainerError::Json {
+                what: "OCI spec",
+                source,
+            })?;
+        if !blocks.is_empty() {
+            crate::blockdev::apply(
+                &mut value,
+                blocks,
+                Path::new("/sys/block"),
+                Path::new("/dev"),
+            )
+            .map_err(|e| ContainerError::Spec(format!("block device: {e}")))?;
+        }
+        let mut spec: Spec =
+            serde_json::from_value(value).map_err(|source| ContainerError::Json {
                 what: "OCI spec",
                 source,
             })?;

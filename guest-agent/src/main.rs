@@ -7,6 +7,7 @@
 //! Outside PID 1 (debugging, tests) it touches nothing system-wide: it only serves, on
 //! `--listen unix:///path` or the default vsock address, and exits 0 after a Shutdown.
 
+mod blockdev;
 mod check;
 mod containers;
 mod init;

@@ -109,6 +109,14 @@ impl Agent for AgentService {
                 &req.container_id,
                 &req.oci_spec_json,
                 stdio(req.stdio.as_ref()),
+                &req.block_devices
+                    .iter()
+                    .map(|b| crate::blockdev::BlockRequest {
+                        container_path: b.container_path.clone(),
+                        serial: b.serial.clone(),
+                        read_only: b.read_only,
+                    })
+                    .collect::<Vec<_>>(),
             )
             .map_err(|e| failed("CreateContainer", e))?;
         log::info!("container {} created (pid {pid})", req.container_id);

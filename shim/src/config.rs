@@ -11,6 +11,9 @@ use serde::Deserialize;
 /// Where the config is read from when the runtime options name none.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/microvm/config.toml";
 
+/// The most empty block slots a VM reserves (each is a virtio-mmio device with an IRQ line).
+pub const MAX_BLOCK_SLOTS: usize = 8;
+
 /// Which VM backend runs the pods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -52,6 +55,8 @@ pub struct Config {
     pub qemu: QemuSettings,
     /// The pod's host cgroup and its overhead (docs/overhead.md).
     pub cgroup: CgroupSettings,
+    /// Device plugins' devices (docs/devices.md).
+    pub devices: DevicesSettings,
 }
 
 /// Settings of the pod's host cgroup (`[cgroup]`; `resources::cgroup`).
@@ -77,6 +82,35 @@ impl Default for CgroupSettings {
             overhead_memory_mib: 160,
             overhead_cpu_millis: 250,
             overhead_annotations: true,
+        }
+    }
+}
+
+/// Settings of the devices a pod gets from device plugins.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DevicesSettings {
+    /// kubelet's PodResources socket, asked at boot which devices the pod holds; a missing
+    /// socket means nothing is cold-plugged.
+    pub pod_resources_socket: PathBuf,
+    /// Folders of CDI specs, in rising precedence.
+    pub cdi_dirs: Vec<PathBuf>,
+    /// Empty read-write virtio-blk slots each VM reserves for block devices a container brings
+    /// that were not known at boot (0: no hot-plug). Embedded VMM only.
+    pub block_slots: u8,
+    /// Empty read-only slots, likewise.
+    pub block_slots_read_only: u8,
+}
+
+impl Default for DevicesSettings {
+    fn default() -> Self {
+        DevicesSettings {
+            pod_resources_socket: PathBuf::from(
+                crate::resources::devices::podresources::DEFAULT_SOCKET,
+            ),
+            cdi_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
+            block_slots: 2,
+            block_slots_read_only: 1,
         }
     }
 }
@@ -114,6 +148,7 @@ impl Default for Config {
             log_level: "info".to_string(),
             qemu: QemuSettings::default(),
             cgroup: CgroupSettings::default(),
+            devices: DevicesSettings::default(),
         }
     }
 }
@@ -186,6 +221,14 @@ impl Config {
         ) {
             return Err(format!("log_level {:?} is not a log level", self.log_level));
         }
+        let slots =
+            usize::from(self.devices.block_slots) + usize::from(self.devices.block_slots_read_only);
+        if slots > MAX_BLOCK_SLOTS {
+            return Err(format!(
+                "devices.block_slots + devices.block_slots_read_only is {slots}, at most \
+                 {MAX_BLOCK_SLOTS}"
+            ));
+        }
         for (what, p) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
             if let Err(e) = std::fs::metadata(p) {
                 return Err(format!("{what} {}: {e}", p.display()));
@@ -216,6 +259,11 @@ mod tests {
         assert_eq!(c.cgroup.overhead_memory_mib, 64);
         assert_eq!(c.cgroup.overhead_cpu_millis, 250);
         assert!(Config::parse("[cgroup]\noverhead = 1\n").is_err());
+        let c = Config::parse("[devices]\nblock_slots = 0\ncdi_dirs = [\"/x\"]\n").unwrap();
+        assert_eq!(c.devices.block_slots, 0);
+        assert_eq!(c.devices.block_slots_read_only, 1);
+        assert_eq!(c.devices.cdi_dirs, vec![PathBuf::from("/x")]);
+        assert!(Config::parse("[devices]\nslots = 1\n").is_err());
     }
 
     #[test]

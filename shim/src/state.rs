@@ -102,6 +102,12 @@ impl StateDir {
         self.path.join("cgroup.json")
     }
 
+    /// Which block slot holds which container's device (resources/devices): rewritten after
+    /// every change.
+    pub fn devices_record(&self) -> PathBuf {
+        self.path.join(crate::resources::devices::RECORD_FILE)
+    }
+
     /// The folder shared with the guest.
     pub fn shared_dir(&self) -> PathBuf {
         self.path.join("shared")

@@ -8,4 +8,5 @@ pub mod lifecycle;
 pub mod microvm_pods;
 pub mod netns;
 pub mod pod_net;
+pub mod podresources;
 pub mod vsock_peer;

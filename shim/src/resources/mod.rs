@@ -6,7 +6,10 @@
 //!   in the pod netns), recorded in `network.json`.
 //! - [`cgroup`]: the pod's host cgroup `<pod cgroup>/microvm-<id>` holding the shim and its
 //!   helpers, limited to the VM's size plus the overhead, recorded in `cgroup.json`.
+//! - [`devices`]: device plugins' devices (cold-plugged from kubelet's PodResources API, block
+//!   devices hot-plugged into reserved slots), recorded in `devices.json`.
 
 pub mod cgroup;
+pub mod devices;
 pub mod network;
 pub mod storage;

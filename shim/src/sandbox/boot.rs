@@ -11,17 +11,22 @@
 //! 5. the network: a tap per CNI interface in the pod netns the sandbox spec names, redirected
 //!    both ways (`resources::network`, recorded in the state directory before anything is made);
 //! 6. storage: the pod's shared folder, exported to the guest over virtio-fs;
-//! 7. the guest spec (kernel, initrd, size, hostname, log level, share, NICs, QEMU programs);
-//! 8. the VM, on its own thread: started, its host processes recorded, then the agent's ready
+//! 7. devices: kubelet's PodResources API says which device plugins' devices the pod holds;
+//!    their block nodes become cold-plugged disks, their VFIO devices the VM's PCI devices, and
+//!    empty block slots are reserved for hot-plug (`resources::devices`, recorded in the state
+//!    directory);
+//! 8. the guest spec (kernel, initrd, size, hostname, log level, share, NICs, disks, VFIO
+//!    devices, QEMU programs);
+//! 9. the VM, on its own thread: started, its host processes recorded, then the agent's ready
 //!    event awaited (`vm::ready`);
-//! 9. the agent: connected and checked;
-//! 10. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
+//! 10. the agent: connected and checked;
+//! 11. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
 //!     addresses and routes;
-//! 11. the pod's sysctls, written in the guest before any container exists.
+//! 12. the pod's sysctls, written in the guest before any container exists.
 //!
 //! A step that fails undoes the steps before it (the VM stopped, then the network, the host
 //! cgroup and the state directory released: [`release_host_resources`]) and says which step
-//! failed. Devices join as a step of their own here.
+//! failed.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -33,11 +38,13 @@ use crate::config::{Config, Hypervisor};
 use crate::host_check;
 use crate::resources::cgroup::overhead::Defaults;
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, SetupRequest};
-use crate::resources::network;
+use crate::resources::{devices, network};
 use crate::state::{state_root, StateDir};
 use crate::task::bundle;
 use crate::vm::thread::{BootError, VmThread};
-use crate::vm::{Backend, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS};
+use crate::vm::{
+    Backend, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS,
+};
 
 use super::{release_host_resources, spec, Sandbox, SandboxError};
 
@@ -121,7 +128,50 @@ impl Sandbox {
                 source,
             });
         }
-        // 7. The guest spec.
+        // 7. Devices: what the pod holds at boot, and the empty slots beside them.
+        let cold = match devices::cold_plug(&config.devices, req.annotations).await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = release_host_resources(&state).await;
+                return Err(e.into());
+            }
+        };
+        let (hotplug, rw_slots, ro_slots) = match backend {
+            // QEMU's virtio-blk-device cannot be filled at runtime without QMP (docs/devices.md).
+            Backend::Qemu => (devices::Hotplug::Unsupported("qemu"), 0, 0),
+            Backend::Kvm => (
+                devices::Hotplug::Supported,
+                usize::from(config.devices.block_slots),
+                usize::from(config.devices.block_slots_read_only),
+            ),
+        };
+        let layout = devices::disk_layout(&cold, rw_slots, ro_slots);
+        let device_table = match devices::DeviceTable::new(
+            state.devices_record(),
+            hotplug,
+            &layout,
+            &cold,
+            cold.vfio.clone(),
+        ) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = release_host_resources(&state).await;
+                return Err(e.into());
+            }
+        };
+        if !cold.disks.is_empty() || !cold.vfio.is_empty() {
+            log::info!(
+                "sandbox {id}: cold-plugging {} disks ({}) and {} VFIO devices",
+                cold.disks.len(),
+                cold.disks
+                    .iter()
+                    .map(|d| d.host.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                cold.vfio.len()
+            );
+        }
+        // 8. The guest spec.
         let mut guest = GuestSpec::new(
             config.kernel.clone(),
             config.initrd.clone(),
@@ -136,6 +186,31 @@ impl Sandbox {
             host_dir: shared_dir,
         });
         guest.nics = nics;
+        guest.vfio = cold.vfio.clone();
+        let mut cold_files: Vec<Option<std::fs::File>> =
+            cold.disks.into_iter().map(|d| Some(d.file)).collect();
+        for d in &layout {
+            let (serial, backing) = match d {
+                devices::DiskLayout::Cold { serial, cold: i } => {
+                    let read_only = device_table.cold_read_only(*i);
+                    let Some(file) = cold_files.get_mut(*i).and_then(Option::take) else {
+                        continue;
+                    };
+                    let file = Arc::new(file);
+                    (serial, DiskBacking::File { file, read_only })
+                }
+                devices::DiskLayout::Empty { serial, read_only } => (
+                    serial,
+                    DiskBacking::Empty {
+                        read_only: *read_only,
+                    },
+                ),
+            };
+            guest.disks.push(GuestDisk {
+                serial: serial.clone(),
+                backing,
+            });
+        }
         guest.qemu = QemuPrograms {
             qemu: config.qemu.binary.clone(),
             vhost_vsock: config.qemu.vhost_vsock_binary.clone(),
@@ -145,7 +220,7 @@ impl Sandbox {
             size.vcpus,
             size.memory_mib
         );
-        // 8. The VM, up to the agent's ready event.
+        // 9. The VM, up to the agent's ready event.
         let record_in = state.clone();
         let record = Box::new(move |pids: &[u32]| {
             record_in
@@ -161,7 +236,7 @@ impl Sandbox {
                 return Err(e.into());
             }
         };
-        // 9. The agent.
+        // 10. The agent.
         let (agent, info) = match connect_agent(vm.agent_socket()).await {
             Ok(pair) => pair,
             Err(e) => {
@@ -179,7 +254,7 @@ impl Sandbox {
             info.kernel_release,
             info.boot_id
         );
-        // 10. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
+        // 11. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
         if let Some(request) = network_request {
             if let Err(source) = agent.configure_network(request).await {
                 discard(id, &vm, &state, DISCARDED_STATUS).await;
@@ -189,7 +264,7 @@ impl Sandbox {
                 });
             }
         }
-        // 11. The pod's sysctls go to the VM's namespaces, which its containers share, before
+        // 12. The pod's sysctls go to the VM's namespaces, which its containers share, before
         // any container exists; a sysctl the guest refuses fails the pod, naming it.
         if !req.sysctls.is_empty() {
             if let Err(source) = agent.set_sysctls(req.sysctls).await {
@@ -207,6 +282,7 @@ impl Sandbox {
             vm,
             agent,
             info,
+            devices: device_table,
         })
     }
 }

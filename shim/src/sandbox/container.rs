@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use crate::agent::stdio::{self, Attached, Fifos};
+use crate::resources::devices::{self, DevicesError};
 use crate::resources::storage::{self, RootfsMount};
 
 use super::{spec, Sandbox, SandboxError};
@@ -54,8 +55,36 @@ impl Sandbox {
             fifos,
             pids,
         } = c;
+        // Devices first: a refused device fails the create before anything is shared.
+        let mut prepared = self.devices.prepare(&id, &spec)?;
+        for a in std::mem::take(&mut prepared.attach) {
+            if let Err(detail) = self.vm.attach_block(a.index, a.serial, a.file).await {
+                self.release_devices(&id).await;
+                return Err(SandboxError::Devices(DevicesError::Attach {
+                    device: a.device,
+                    detail,
+                }));
+            }
+        }
+        devices::oci::remove_devices(&mut spec, &prepared.removed);
+        let block_devices: Vec<agent_protocol::agent::BlockDevice> = prepared
+            .blocks
+            .iter()
+            .map(|b| agent_protocol::agent::BlockDevice {
+                container_path: b.container_path.clone(),
+                serial: b.serial.clone(),
+                read_only: b.read_only,
+                ..Default::default()
+            })
+            .collect();
         spec::resolve_target_pid_namespace(&mut spec, &pids);
-        let binds = spec::rewrite_for_guest(&mut spec, &id, std::process::id())?;
+        let binds = match spec::rewrite_for_guest(&mut spec, &id, std::process::id()) {
+            Ok(b) => b,
+            Err(e) => {
+                self.release_devices(&id).await;
+                return Err(e.into());
+            }
+        };
         let shared = {
             let (state, id) = (self.state.clone(), id.clone());
             let bundle_rootfs = bundle.join("rootfs");
@@ -63,7 +92,14 @@ impl Sandbox {
                 storage::share_container(&state, &id, &rootfs, &bundle_rootfs, &binds)
             })
             .await
-            .map_err(|e| SandboxError::Task(e.to_string()))?
+            .map_err(|e| SandboxError::Task(e.to_string()))
+        };
+        let shared = match shared {
+            Ok(s) => s,
+            Err(e) => {
+                self.release_devices(&id).await;
+                return Err(e);
+            }
         };
         let was_shared = shared.is_ok();
         let created: Result<(u32, Attached), CreateFailure> = async {
@@ -73,6 +109,7 @@ impl Sandbox {
                 container_id: id.clone(),
                 oci_spec_json: json,
                 stdio: Some(fifos.agent_stdio()).into(),
+                block_devices,
                 ..Default::default()
             };
             let pid = self
@@ -99,6 +136,7 @@ impl Sandbox {
         if was_shared {
             self.unshare(&id).await;
         }
+        self.release_devices(&id).await;
         let tail = self.vm.console_tail(CONSOLE_TAIL_LINES);
         log::warn!("creating container {id} failed: {message}; guest console ends with:\n{tail}");
         // A timeout says nothing by itself: the guest's last words go to the user too.
@@ -116,6 +154,16 @@ impl Sandbox {
             log::warn!("removing container {id} in the guest: {e}");
         }
         self.unshare(id).await;
+        self.release_devices(id).await;
+    }
+
+    /// Container `id` no longer holds its devices: the slots nobody holds any more are emptied.
+    async fn release_devices(&self, id: &str) {
+        for index in self.devices.release(id) {
+            if let Err(e) = self.vm.detach_block(index).await {
+                log::warn!("container {id}: emptying disk slot {index}: {e}");
+            }
+        }
     }
 
     async fn unshare(&self, id: &str) {

@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use crate::agent::{AgentClient, AgentError, AgentInfo};
 use crate::config::ConfigError;
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, HostUsage};
+use crate::resources::devices::{DeviceTable, DevicesError};
 use crate::resources::network::{self, NetworkError};
 use crate::resources::storage::ShareError;
 use crate::state::{StateDir, StateError};
@@ -68,6 +69,8 @@ pub enum SandboxError {
     OtherPod { pod: String, id: String },
     #[error("{0}")]
     Task(String),
+    #[error(transparent)]
+    Devices(#[from] DevicesError),
 }
 
 impl SandboxError {
@@ -85,6 +88,8 @@ impl SandboxError {
                 Code::INTERNAL
             }
             SandboxError::OtherPod { .. } => Code::NOT_FOUND,
+            SandboxError::Devices(e) if e.is_refusal() => Code::FAILED_PRECONDITION,
+            SandboxError::Devices(_) => Code::UNKNOWN,
             SandboxError::Boot(_) | SandboxError::Agent { .. } | SandboxError::Create { .. } => {
                 Code::UNKNOWN
             }
@@ -107,6 +112,7 @@ pub struct Sandbox {
     vm: VmThread,
     agent: AgentClient,
     info: AgentInfo,
+    devices: DeviceTable,
 }
 
 impl Sandbox {

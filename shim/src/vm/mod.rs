@@ -11,6 +11,7 @@ pub mod ready;
 pub mod thread;
 
 use std::fmt;
+use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -72,6 +73,36 @@ pub struct GuestSpec {
     pub qemu: QemuPrograms,
     /// Network cards (virtio-net on taps in the pod netns), eth0 first.
     pub nics: Vec<GuestNic>,
+    /// virtio-blk disks, in the order the guest sees them (vda, vdb, ...).
+    pub disks: Vec<GuestDisk>,
+    /// Host PCI devices (`/sys/bus/pci/devices/<address>`) to pass through with VFIO.
+    pub vfio: Vec<PathBuf>,
+}
+
+/// A virtio-blk disk of the guest; the guest finds it by its serial
+/// (`/sys/block/vdX/serial`, at most 20 bytes).
+#[derive(Debug, Clone)]
+pub struct GuestDisk {
+    pub serial: String,
+    pub backing: DiskBacking,
+}
+
+/// What a disk holds.
+#[derive(Debug, Clone)]
+pub enum DiskBacking {
+    /// A reserved empty slot (capacity 0), filled while the VM runs.
+    Empty { read_only: bool },
+    /// A host file or block device the shim opened (read-write, or read-only).
+    File { file: Arc<File>, read_only: bool },
+}
+
+impl DiskBacking {
+    /// Whether the guest may only read the disk.
+    pub fn read_only(&self) -> bool {
+        match self {
+            DiskBacking::Empty { read_only } | DiskBacking::File { read_only, .. } => *read_only,
+        }
+    }
 }
 
 /// A network card of the guest: a tap opened in the pod netns (`IFF_TAP | IFF_NO_PI |
@@ -121,6 +152,8 @@ impl GuestSpec {
             shared: None,
             qemu: QemuPrograms::default(),
             nics: Vec::new(),
+            disks: Vec::new(),
+            vfio: Vec::new(),
         }
     }
 
@@ -224,6 +257,12 @@ pub enum GuestVmError {
     /// A NIC's tap fd could not be duplicated for the VMM.
     #[error("cannot duplicate a network card's tap fd: {0}")]
     Tap(std::io::Error),
+    /// A disk's file could not be duplicated for the VMM.
+    #[error("cannot duplicate a disk's file: {0}")]
+    Disk(std::io::Error),
+    /// The backend cannot give the guest this.
+    #[error("this backend does not support {0}")]
+    Unsupported(&'static str),
     /// The memory size does not fit the backend.
     #[error("memory of {0} MiB is out of range for this backend")]
     Memory(u64),
@@ -257,6 +296,27 @@ impl Vm {
                     EndReason::BackendExited(s)
                 }
             })),
+        }
+    }
+
+    /// Fills empty disk slot `index` with `file` (embedded VMM only: QEMU has no runtime
+    /// virtio-blk change here, docs/devices.md).
+    fn attach_block(&self, index: usize, serial: String, file: File) -> Result<(), GuestVmError> {
+        match self {
+            Vm::Embedded(h) => Ok(h.attach_block(index, serial, file)?),
+            Vm::Qemu(_) => Err(GuestVmError::Unsupported(
+                "block hot-plug on the QEMU backend",
+            )),
+        }
+    }
+
+    /// Empties disk slot `index`.
+    fn detach_block(&self, index: usize) -> Result<(), GuestVmError> {
+        match self {
+            Vm::Embedded(h) => Ok(h.detach_block(index)?),
+            Vm::Qemu(_) => Err(GuestVmError::Unsupported(
+                "block hot-plug on the QEMU backend",
+            )),
         }
     }
 
@@ -382,6 +442,27 @@ impl GuestVm {
                 mtu: Some(nic.mtu),
             });
         }
+        if !spec.vfio.is_empty() {
+            // The embedded VMM's VFIO comes from the "vfio" branch, wired by the lead.
+            return Err(GuestVmError::Unsupported(
+                "VFIO devices on the embedded VMM",
+            ));
+        }
+        for d in &spec.disks {
+            let backing = match &d.backing {
+                DiskBacking::Empty { read_only } => vmm::BlockBacking::Empty {
+                    read_only: *read_only,
+                },
+                DiskBacking::File { file, read_only } => vmm::BlockBacking::File {
+                    file: file.try_clone().map_err(GuestVmError::Disk)?,
+                    read_only: *read_only,
+                },
+            };
+            cfg.blocks.push(vmm::BlockConfig {
+                serial: d.serial.clone(),
+                backing,
+            });
+        }
         let handle = vmm::Vm::start(cfg)?;
         let detail = format!("embedded vmm on /dev/kvm, {} entry", handle.boot_entry());
         Ok((Vm::Embedded(handle), detail))
@@ -407,6 +488,25 @@ impl GuestVm {
             tag: s.tag.clone(),
             host_dir: s.host_dir.clone(),
         });
+        if !spec.vfio.is_empty() {
+            return Err(GuestVmError::Unsupported(
+                "VFIO devices on the QEMU backend",
+            ));
+        }
+        cfg.disks = spec
+            .disks
+            .iter()
+            .map(|d| match &d.backing {
+                DiskBacking::File { file, read_only } => Ok(qemu::QemuDisk {
+                    serial: d.serial.clone(),
+                    file: file.clone(),
+                    read_only: *read_only,
+                }),
+                DiskBacking::Empty { .. } => Err(GuestVmError::Unsupported(
+                    "empty block slots on the QEMU backend (it cannot hot-plug)",
+                )),
+            })
+            .collect::<Result<_, _>>()?;
         cfg.nics = spec
             .nics
             .iter()
@@ -493,6 +593,22 @@ impl GuestVm {
     /// Waits up to `timeout` for the guest to end by itself; why, once it has.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<EndReason>, GuestVmError> {
         self.vm.wait_timeout(timeout)
+    }
+
+    /// Fills empty disk slot `index` (of [`GuestSpec::disks`]) with `file`; blocks while the
+    /// device runs a batch of requests.
+    pub fn attach_block(
+        &self,
+        index: usize,
+        serial: String,
+        file: File,
+    ) -> Result<(), GuestVmError> {
+        self.vm.attach_block(index, serial, file)
+    }
+
+    /// Empties disk slot `index`.
+    pub fn detach_block(&self, index: usize) -> Result<(), GuestVmError> {
+        self.vm.detach_block(index)
     }
 
     /// Stops the guest (bounded) and waits for it to end.

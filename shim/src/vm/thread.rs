@@ -40,8 +40,23 @@ pub enum BootError {
     ThreadGone,
 }
 
+/// The answer to a disk command: the error's message.
+type DiskReply = oneshot::Sender<Result<(), String>>;
+
 enum Command {
-    Stop { status: u32 },
+    Stop {
+        status: u32,
+    },
+    AttachBlock {
+        index: usize,
+        serial: String,
+        file: std::fs::File,
+        reply: DiskReply,
+    },
+    DetachBlock {
+        index: usize,
+        reply: DiskReply,
+    },
 }
 
 /// A pod VM whose agent reported ready, on its own thread.
@@ -101,6 +116,34 @@ impl VmThread {
     /// Asks the VM to stop; it reports `status` as its exit. No-op once it has ended.
     pub fn stop(&self, status: u32) {
         let _ = self.commands.send(Command::Stop { status });
+    }
+
+    /// Fills empty disk slot `index` with `file` on the VM's thread.
+    pub async fn attach_block(
+        &self,
+        index: usize,
+        serial: String,
+        file: std::fs::File,
+    ) -> Result<(), String> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::AttachBlock {
+                index,
+                serial,
+                file,
+                reply,
+            })
+            .map_err(|_| "the VM has ended".to_string())?;
+        answer.await.map_err(|_| "the VM has ended".to_string())?
+    }
+
+    /// Empties disk slot `index` on the VM's thread.
+    pub async fn detach_block(&self, index: usize) -> Result<(), String> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::DetachBlock { index, reply })
+            .map_err(|_| "the VM has ended".to_string())?;
+        answer.await.map_err(|_| "the VM has ended".to_string())?
     }
 
     /// A receiver that turns `Some` once the VM has ended (and its thread has cleaned up).
@@ -175,6 +218,20 @@ fn vm_thread(
     }
     let (reason, asked) = loop {
         match commands.recv_timeout(WATCH_INTERVAL) {
+            Ok(Command::AttachBlock {
+                index,
+                serial,
+                file,
+                reply,
+            }) => {
+                let _ = reply.send(
+                    vm.attach_block(index, serial, file)
+                        .map_err(|e| e.to_string()),
+                );
+            }
+            Ok(Command::DetachBlock { index, reply }) => {
+                let _ = reply.send(vm.detach_block(index).map_err(|e| e.to_string()));
+            }
             Ok(Command::Stop { status }) => {
                 if let Err(e) = vm.stop() {
                     log::warn!("stopping the pod VM: {e}");

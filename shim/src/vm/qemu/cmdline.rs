@@ -9,7 +9,7 @@ use std::thread;
 use std::time::Duration;
 
 use super::process::VmPaths;
-use super::{Accel, QemuConfig, DEFAULT_HZ, NIC_FD_BASE};
+use super::{disk_fd, Accel, QemuConfig, DEFAULT_HZ, NIC_FD_BASE};
 
 /// `console=ttyS0 reboot=t panic=-1 tsc_early_khz=… lpj=…` plus the caller's extra.
 ///
@@ -93,6 +93,30 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
             nic.mtu
         );
         push(&["-netdev", &netdev, "-device", &device]);
+    }
+    for (i, disk) in cfg.disks.iter().enumerate() {
+        // The shim opened the node; QEMU dups the passed fd (same access mode) instead of
+        // opening a host path. host_device for a block device, file for a regular file.
+        let is_block = disk
+            .file
+            .metadata()
+            .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()));
+        let driver = if is_block { "host_device" } else { "file" };
+        let add_fd = format!("fd={},set={}", disk_fd(i), i + 1);
+        let ro = if disk.read_only { "on" } else { "off" };
+        let blockdev = format!(
+            "driver={driver},node-name=disk{i},filename=/dev/fdset/{},read-only={ro}",
+            i + 1
+        );
+        let device = format!("virtio-blk-device,drive=disk{i},serial={}", disk.serial);
+        push(&[
+            "-add-fd",
+            &add_fd,
+            "-blockdev",
+            &blockdev,
+            "-device",
+            &device,
+        ]);
     }
     push(&[
         "-serial", &serial, "-kernel", &kernel, "-initrd", &initrd, "-append", cmdline,

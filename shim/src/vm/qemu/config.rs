@@ -42,6 +42,28 @@ pub struct QemuConfig {
     pub virtiofsd_binary: PathBuf,
     /// Network cards, in order (eth0 first).
     pub nics: Vec<QemuNic>,
+    /// virtio-blk disks, in order (vda first).
+    pub disks: Vec<QemuDisk>,
+}
+
+/// A virtio-blk disk on a host file or block device the caller opened; QEMU gets a copy as fd
+/// [`disk_fd`] (`-add-fd`, then `-blockdev ...,filename=/dev/fdset/N`), so it opens no host path.
+#[derive(Debug, Clone)]
+pub struct QemuDisk {
+    /// The serial the guest reads (at most 20 bytes, no commas).
+    pub serial: String,
+    /// Opened read-write, or read-only when `read_only` (QEMU's fdset hands out an fd only to
+    /// an open with the same access mode).
+    pub file: Arc<File>,
+    pub read_only: bool,
+}
+
+/// At most this many disks.
+pub const MAX_DISKS: usize = 16;
+
+/// The fd number QEMU finds disk `i` at, after the NICs' range.
+pub fn disk_fd(i: usize) -> RawFd {
+    NIC_FD_BASE + (MAX_NICS + i) as RawFd
 }
 
 /// A network card: a virtio-net device on a tap the caller opened in the pod netns.
@@ -98,6 +120,7 @@ impl QemuConfig {
             start_timeout: Duration::from_secs(60),
             shared_fs: None,
             nics: Vec::new(),
+            disks: Vec::new(),
             virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
         }
     }
@@ -107,6 +130,25 @@ impl QemuConfig {
             return Err(QemuError::InvalidConfig(format!(
                 "{} network cards, at most {MAX_NICS}",
                 self.nics.len()
+            )));
+        }
+        if self.disks.len() > MAX_DISKS {
+            return Err(QemuError::InvalidConfig(format!(
+                "{} disks, at most {MAX_DISKS}",
+                self.disks.len()
+            )));
+        }
+        if let Some(d) = self.disks.iter().find(|d| {
+            d.serial.is_empty()
+                || d.serial.len() > 20
+                || !d
+                    .serial
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        }) {
+            return Err(QemuError::InvalidConfig(format!(
+                "disk serial {:?}: 1 to 20 letters, digits or '-'",
+                d.serial
             )));
         }
         if !(1..=255).contains(&self.vcpus) {

@@ -30,10 +30,12 @@ mod process;
 
 pub use cmdline::host_tsc_khz;
 use cmdline::{kernel_cmdline, qemu_args};
-pub use config::{QemuConfig, QemuNic, QemuSharedFs, DEFAULT_VIRTIOFSD, MAX_NICS, NIC_FD_BASE};
+pub use config::{
+    disk_fd, QemuConfig, QemuDisk, QemuNic, QemuSharedFs, DEFAULT_VIRTIOFSD, MAX_DISKS, MAX_NICS,
+    NIC_FD_BASE,
+};
 use process::{
-    create_file, kill_and_reap, pass_nic_fds, spawn_tied_to_parent, tail_of_file, terminate,
-    VmPaths,
+    create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file, terminate, VmPaths,
 };
 /// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -321,7 +323,7 @@ impl QemuVm {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
-        pass_nic_fds(&mut cmd, &cfg.nics);
+        pass_fds(&mut cmd, &cfg.nics, &cfg.disks);
         self.qemu = Some(spawn_tied_to_parent(&mut cmd, &cfg.qemu_binary)?);
         Ok(())
     }
@@ -662,6 +664,53 @@ mod tests {
         fs::remove_file(d.join("config")).unwrap();
         assert_eq!(kernel_hz(&d.join("vmlinux")), None);
         fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn disks_are_passed_as_fds_with_their_serial_and_mode() {
+        let dir = temp_dir("disks");
+        let mut cfg = cfg_in(&dir);
+        let file = |name: &str| {
+            let p = dir.join(name);
+            fs::write(&p, [0u8; 512]).unwrap();
+            std::sync::Arc::new(fs::File::open(&p).unwrap())
+        };
+        cfg.disks = vec![
+            QemuDisk {
+                serial: "microvm-cold0".into(),
+                file: file("a.img"),
+                read_only: false,
+            },
+            QemuDisk {
+                serial: "microvm-cold1".into(),
+                file: file("b.img"),
+                read_only: true,
+            },
+        ];
+        cfg.validate().unwrap();
+        let paths = VmPaths::new(&cfg).unwrap();
+        let args = qemu_args(&cfg, &paths, "console=ttyS0").join(" ");
+        let (fd0, fd1) = (disk_fd(0), disk_fd(1));
+        assert!(
+            args.contains(&format!(
+                "-add-fd fd={fd0},set=1 -blockdev driver=file,node-name=disk0,\
+                 filename=/dev/fdset/1,read-only=off -device \
+                 virtio-blk-device,drive=disk0,serial=microvm-cold0"
+            )),
+            "{args}"
+        );
+        assert!(args.contains(&format!("-add-fd fd={fd1},set=2")), "{args}");
+        assert!(
+            args.contains("filename=/dev/fdset/2,read-only=on"),
+            "{args}"
+        );
+        assert!(fd0 >= NIC_FD_BASE + MAX_NICS as std::os::fd::RawFd);
+        for bad in ["", "a,b", "x=y", &"s".repeat(21)] {
+            cfg.disks[0].serial = bad.to_string();
+            assert!(cfg.validate().is_err(), "{bad:?}");
+        }
+        paths.remove_all();
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -11,7 +11,8 @@ use std::thread;
 use std::time::Instant;
 
 use super::{
-    QemuConfig, QemuError, QemuNic, MAX_NICS, MAX_SOCKET_PATH, NIC_FD_BASE, POLL, TERM_GRACE,
+    disk_fd, QemuConfig, QemuDisk, QemuError, QemuNic, MAX_DISKS, MAX_NICS, MAX_SOCKET_PATH,
+    NIC_FD_BASE, POLL, TERM_GRACE,
 };
 
 /// The files of one VM in its work dir.
@@ -119,30 +120,43 @@ pub(super) fn create_file(path: &Path) -> Result<File, QemuError> {
     })
 }
 
-/// Gives the child the NICs' taps as fds [`NIC_FD_BASE`].. (dup2 clears close-on-exec on the
-/// copy only; the shim's own fds stay close-on-exec).
-pub(super) fn pass_nic_fds(cmd: &mut Command, nics: &[QemuNic]) {
-    if nics.is_empty() {
+/// Gives the child the NICs' taps as fds [`NIC_FD_BASE`].. and the disks' files as fds
+/// [`disk_fd`]`(i)` (dup2 clears close-on-exec on the copy only; the shim's own fds stay
+/// close-on-exec).
+pub(super) fn pass_fds(cmd: &mut Command, nics: &[QemuNic], disks: &[QemuDisk]) {
+    const MAX: usize = MAX_NICS + MAX_DISKS;
+    let mut pairs: Vec<(RawFd, RawFd)> = nics
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.tap.as_raw_fd(), NIC_FD_BASE + i as RawFd))
+        .collect();
+    pairs.extend(
+        disks
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.file.as_raw_fd(), disk_fd(i))),
+    );
+    if pairs.is_empty() {
         return;
     }
-    let fds: Vec<RawFd> = nics.iter().map(|n| n.tap.as_raw_fd()).collect();
-    // SAFETY: the closure runs in the forked child before exec; dup2 is async-signal-safe, the
-    // source fds are open (the `Arc<OwnedFd>`s in `nics` outlive the spawn) and the vector was
-    // allocated before the fork, so nothing allocates or locks here.
+    pairs.truncate(MAX);
+    // SAFETY: the closure runs in the forked child before exec; fcntl and dup2 are
+    // async-signal-safe, the source fds are open (the `Arc`s in `nics` and `disks` outlive the
+    // spawn) and the vector was allocated before the fork, so nothing allocates or locks here.
     unsafe {
         cmd.pre_exec(move || {
-            // First above the target range (a source may sit where another NIC's copy goes, or
-            // at its own target, where dup2 would keep close-on-exec), then into place.
-            let above = NIC_FD_BASE + MAX_NICS as RawFd;
-            let mut moved = [-1; MAX_NICS];
-            for (slot, fd) in moved.iter_mut().zip(&fds) {
+            // First above the target range (a source may sit where another copy goes, or at its
+            // own target, where dup2 would keep close-on-exec), then into place.
+            let above = NIC_FD_BASE + MAX as RawFd;
+            let mut moved = [-1; MAX];
+            for (slot, (fd, _)) in moved.iter_mut().zip(&pairs) {
                 *slot = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, above);
                 if *slot < 0 {
                     return Err(io::Error::last_os_error());
                 }
             }
-            for (i, tmp) in moved.iter().take(fds.len()).enumerate() {
-                if libc::dup2(*tmp, NIC_FD_BASE + i as RawFd) < 0 {
+            for (tmp, (_, target)) in moved.iter().zip(&pairs) {
+                if libc::dup2(*tmp, *target) < 0 {
                     return Err(io::Error::last_os_error());
                 }
             }

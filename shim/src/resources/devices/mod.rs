@@ -1,0 +1,727 @@
+//! Devices a pod's containers get from device plugins (design.md 4e, docs/devices.md).
+//!
+//! - At boot ([`cold_plug`]): kubelet's PodResources API ([`podresources`]) says which devices
+//!   the pod holds; CDI specs ([`cdi`]) or a PCI address with an IOMMU group turn each into host
+//!   nodes. Block nodes become the VM's cold-plugged virtio-blk disks, VFIO groups the VM's PCI
+//!   devices. Empty virtio-blk slots are reserved beside them for hot-plug.
+//! - At CreateContainer ([`DeviceTable::prepare`]): each `linux.devices` entry of the spec
+//!   ([`oci`]) is placed: a block device on its cold disk or in a free slot of its read-only mode
+//!   (its host node from `/sys/dev/block`, [`host`]), a guest-own character device as it is, a
+//!   VFIO node dropped (the device is the VM's), anything else refused naming the device.
+//!   The guest agent gets `container path -> disk serial` and makes the node from the guest's
+//!   own numbers.
+//! - Which slot holds which container's device is recorded in the state directory
+//!   (`devices.json`) after every change; the disks' host files are only fds of this process,
+//!   so nothing on the host outlives it.
+
+pub mod cdi;
+pub mod host;
+pub mod oci;
+pub mod podresources;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::DevicesSettings;
+use oci::{Access, DeviceClass, NodeKind, SpecDevice};
+use podresources::HeldDevice;
+
+/// The sandbox annotations that name the pod for the PodResources API.
+pub const POD_NAME_ANNOTATION: &str = "io.kubernetes.cri.sandbox-name";
+pub const POD_NAMESPACE_ANNOTATION: &str = "io.kubernetes.cri.sandbox-namespace";
+
+/// The record's file name in the pod's state directory.
+pub const RECORD_FILE: &str = "devices.json";
+
+/// Why a device could not be given; the message is what the CRI user reads.
+#[derive(Debug, thiserror::Error)]
+pub enum DevicesError {
+    #[error("OCI spec: {0}")]
+    Spec(String),
+    #[error("device {device} cannot be given to a container in a microVM: {why}")]
+    Refused { device: String, why: String },
+    #[error("{what}: {}: {source}", path.display())]
+    HostNode {
+        what: String,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{what}: {why}")]
+    NoHostNode { what: String, why: String },
+    #[error("CDI: {0}")]
+    Cdi(String),
+    #[error("kubelet's PodResources API on {}: {detail}", socket.display())]
+    PodResources { socket: PathBuf, detail: String },
+    #[error(
+        "device {device}: all {count} {mode} block slots of this pod's VM are in use \
+         (devices.block_slots{key} in the microvm config)"
+    )]
+    SlotsFull {
+        device: String,
+        mode: &'static str,
+        key: &'static str,
+        count: usize,
+    },
+    #[error(
+        "device {device} was not among the pod's devices at boot (kubelet's PodResources API) \
+         and the {backend} backend cannot hot-plug block devices"
+    )]
+    NoHotplug {
+        device: String,
+        backend: &'static str,
+    },
+    #[error("device {device}: attaching it to the VM: {detail}")]
+    Attach { device: String, detail: String },
+    #[error("VFIO device {0}")]
+    Vfio(String),
+    #[error("recording the pod's devices in {}: {source}", path.display())]
+    Record {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl DevicesError {
+    /// Whether the request itself cannot be served (as opposed to the host failing).
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            DevicesError::Spec(_)
+                | DevicesError::Refused { .. }
+                | DevicesError::SlotsFull { .. }
+                | DevicesError::NoHotplug { .. }
+        )
+    }
+}
+
+/// A block device cold-plugged at boot: its open host node.
+#[derive(Debug)]
+pub struct ColdDisk {
+    pub host: PathBuf,
+    pub rdev: (u32, u32),
+    pub access: Access,
+    pub file: File,
+}
+
+/// What the pod holds at boot, resolved to host nodes.
+#[derive(Debug, Default)]
+pub struct ColdPlug {
+    pub disks: Vec<ColdDisk>,
+    /// The host PCI devices (`/sys/bus/pci/devices/<address>`) to pass through with VFIO.
+    pub vfio: Vec<PathBuf>,
+}
+
+/// Asks kubelet which devices pod `annotations` names holds and resolves them (module doc). No
+/// socket, or a sandbox without the pod's name: nothing cold-plugged (an info log).
+pub async fn cold_plug(
+    settings: &DevicesSettings,
+    annotations: &HashMap<String, String>,
+) -> Result<ColdPlug, DevicesError> {
+    let (Some(name), Some(namespace)) = (
+        annotations.get(POD_NAME_ANNOTATION),
+        annotations.get(POD_NAMESPACE_ANNOTATION),
+    ) else {
+        return Ok(ColdPlug::default());
+    };
+    let socket = &settings.pod_resources_socket;
+    let Some(held) = podresources::pod_devices(socket, name, namespace).await? else {
+        log::info!(
+            "pod {namespace}/{name}: no PodResources socket at {}: no devices cold-plugged",
+            socket.display()
+        );
+        return Ok(ColdPlug::default());
+    };
+    let dirs = settings.cdi_dirs.clone();
+    tokio::task::spawn_blocking(move || resolve(&held, &dirs, Path::new("/sys")))
+        .await
+        .map_err(|e| DevicesError::Cdi(e.to_string()))?
+}
+
+/// Host nodes of `held` (CDI first, then a PCI address with an IOMMU group) under `sysfs`.
+fn resolve(
+    held: &[HeldDevice],
+    cdi_dirs: &[PathBuf],
+    sysfs: &Path,
+) -> Result<ColdPlug, DevicesError> {
+    let mut out = ColdPlug::default();
+    for d in held {
+        let name = d.cdi_name();
+        if let Some(nodes) = cdi::device_nodes(cdi_dirs, &name)? {
+            for n in nodes {
+                add_node(&mut out, &n, sysfs, &name)?;
+            }
+            continue;
+        }
+        if let HeldDevice::Plugin { id, .. } = d {
+            let pci = sysfs.join("bus/pci/devices").join(id);
+            if is_pci_address(id) && pci.join("iommu_group").exists() {
+                push_vfio(&mut out, pci);
+                continue;
+            }
+        }
+        log::info!(
+            "pod device {name}: no CDI spec names it and it is no PCI device: not cold-plugged"
+        );
+    }
+    Ok(out)
+}
+
+fn add_node(
+    out: &mut ColdPlug,
+    n: &cdi::CdiNode,
+    sysfs: &Path,
+    name: &str,
+) -> Result<(), DevicesError> {
+    let meta = std::fs::metadata(&n.host_path).map_err(|source| DevicesError::HostNode {
+        what: format!("CDI device {name}"),
+        path: n.host_path.clone(),
+        source,
+    })?;
+    let ft = meta.file_type();
+    if ft.is_block_device() {
+        let rdev = host::split_rdev(meta.rdev());
+        if out.disks.iter().any(|d| d.rdev == rdev) {
+            return Ok(());
+        }
+        let access = if n.writable {
+            Access::ReadWrite
+        } else {
+            Access::ReadOnly
+        };
+        let file = host::open(&n.host_path, access)?;
+        out.disks.push(ColdDisk {
+            host: n.host_path.clone(),
+            rdev,
+            access,
+            file,
+        });
+    } else if ft.is_char_device() {
+        let group = n
+            .host_path
+            .strip_prefix("/dev/vfio")
+            .ok()
+            .and_then(|g| g.to_str())
+            .filter(|g| !g.is_empty() && g.bytes().all(|b| b.is_ascii_digit()));
+        if let Some(group) = group {
+            let dir = sysfs
+                .join("kernel/iommu_groups")
+                .join(group)
+                .join("devices");
+            let entries = std::fs::read_dir(&dir).map_err(|e| {
+                DevicesError::Vfio(format!("group {group}: {}: {e}", dir.display()))
+            })?;
+            for e in entries.flatten() {
+                push_vfio(out, sysfs.join("bus/pci/devices").join(e.file_name()));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn push_vfio(out: &mut ColdPlug, path: PathBuf) {
+    if !out.vfio.contains(&path) {
+        out.vfio.push(path);
+    }
+}
+
+/// `dddd:bb:dd.f`.
+fn is_pci_address(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 12
+        && b.iter().enumerate().all(|(i, c)| match i {
+            4 | 7 => *c == b':',
+            10 => *c == b'.',
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
+/// Whether empty slots can be filled while the VM runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hotplug {
+    Supported,
+    /// This backend cannot (its name, for the error).
+    Unsupported(&'static str),
+}
+
+/// A virtio-blk disk of the VM as the guest spec lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiskLayout {
+    /// A cold-plugged disk: `cold[i]` of the [`ColdPlug`].
+    Cold { serial: String, cold: usize },
+    /// An empty slot.
+    Empty { serial: String, read_only: bool },
+}
+
+/// The VM's disks: the cold ones, then `rw` read-write and `ro` read-only empty slots.
+pub fn disk_layout(cold: &ColdPlug, rw: usize, ro: usize) -> Vec<DiskLayout> {
+    let mut out: Vec<DiskLayout> = (0..cold.disks.len())
+        .map(|i| DiskLayout::Cold {
+            serial: format!("microvm-cold{i}"),
+            cold: i,
+        })
+        .collect();
+    for i in 0..rw + ro {
+        out.push(DiskLayout::Empty {
+            serial: format!("microvm-slot{i}"),
+            read_only: i >= rw,
+        });
+    }
+    out
+}
+
+/// How a container reaches a disk in the guest: the agent makes `container_path` from the disk
+/// whose serial is `serial`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GuestBlock {
+    pub container_path: String,
+    pub serial: String,
+    pub read_only: bool,
+}
+
+/// A slot to fill before the container is created.
+#[derive(Debug)]
+pub struct Attach {
+    pub index: usize,
+    pub serial: String,
+    pub file: File,
+    pub device: String,
+}
+
+/// What a container's devices need: the guest's mapping, the slots to fill, the spec entries
+/// to drop (VFIO nodes).
+#[derive(Debug, Default)]
+pub struct Prepared {
+    pub blocks: Vec<GuestBlock>,
+    pub attach: Vec<Attach>,
+    pub removed: Vec<SpecDevice>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct ColdEntry {
+    index: usize,
+    serial: String,
+    host: PathBuf,
+    rdev: (u32, u32),
+    read_only: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Holder {
+    serial: String,
+    host: PathBuf,
+    rdev: (u32, u32),
+    containers: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Slot {
+    index: usize,
+    read_only: bool,
+    holder: Option<Holder>,
+}
+
+#[derive(Debug, Serialize)]
+struct Table {
+    cold: Vec<ColdEntry>,
+    slots: Vec<Slot>,
+    vfio: Vec<PathBuf>,
+    #[serde(skip)]
+    generation: u64,
+}
+
+/// The pod's disks and who holds them.
+#[derive(Debug)]
+pub struct DeviceTable {
+    record: PathBuf,
+    hotplug: Hotplug,
+    sysfs: PathBuf,
+    table: Mutex<Table>,
+}
+
+impl DeviceTable {
+    /// The table of a VM booted with `layout` (of `cold`) and `vfio`; writes its first record.
+    pub fn new(
+        record: PathBuf,
+        hotplug: Hotplug,
+        layout: &[DiskLayout],
+        cold: &ColdPlug,
+        vfio: Vec<PathBuf>,
+    ) -> Result<DeviceTable, DevicesError> {
+        let mut t = Table {
+            cold: Vec::new(),
+            slots: Vec::new(),
+            vfio,
+            generation: 0,
+        };
+        for (index, d) in layout.iter().enumerate() {
+            match d {
+                DiskLayout::Cold { serial, cold: i } => {
+                    if let Some(c) = cold.disks.get(*i) {
+                        t.cold.push(ColdEntry {
+                            index,
+                            serial: serial.clone(),
+                            host: c.host.clone(),
+                            rdev: c.rdev,
+                            read_only: c.access == Access::ReadOnly,
+                        });
+                    }
+                }
+                DiskLayout::Empty { read_only, .. } => t.slots.push(Slot {
+                    index,
+                    read_only: *read_only,
+                    holder: None,
+                }),
+            }
+        }
+        let table = DeviceTable {
+            record,
+            hotplug,
+            sysfs: PathBuf::from("/sys"),
+            table: Mutex::new(t),
+        };
+        table.write(&table.lock())?;
+        Ok(table)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self, t: &Table) -> Result<(), DevicesError> {
+        let json = serde_json::to_vec_pretty(t).unwrap_or_default();
+        let tmp = self.record.with_extension("json.tmp");
+        std::fs::write(&tmp, json)
+            .and_then(|()| std::fs::rename(&tmp, &self.record))
+            .map_err(|source| DevicesError::Record {
+                path: self.record.clone(),
+                source,
+            })
+    }
+
+    /// Places container `cid`'s devices (module doc). Slots it takes are reserved for it now:
+    /// on any later failure [`DeviceTable::release`] gives them back.
+    pub fn prepare(&self, cid: &str, spec: &Value) -> Result<Prepared, DevicesError> {
+        let devices = oci::spec_devices(spec)?;
+        let mut t = self.lock();
+        let has_vfio = !t.vfio.is_empty();
+        let mut out = Prepared::default();
+        let result = (|| {
+            for d in devices {
+                match oci::classify(&d, has_vfio)? {
+                    DeviceClass::GuestOwn(name) => {
+                        log::debug!("container {cid}: {d} is the guest's own {name}");
+                    }
+                    DeviceClass::Vfio => out.removed.push(d),
+                    DeviceClass::Block => {
+                        let block = self.place_block(&mut t, cid, &d, &mut out.attach)?;
+                        out.blocks.push(block);
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            release_in(&mut t, cid);
+            return Err(e);
+        }
+        self.write(&t)?;
+        Ok(out)
+    }
+
+    fn place_block(
+        &self,
+        t: &mut Table,
+        cid: &str,
+        d: &SpecDevice,
+        attach: &mut Vec<Attach>,
+    ) -> Result<GuestBlock, DevicesError> {
+        debug_assert_eq!(d.kind, NodeKind::Block);
+        let read_only = d.access == Access::ReadOnly;
+        let guest = |serial: &str, ro: bool| GuestBlock {
+            container_path: d.path.clone(),
+            serial: serial.to_string(),
+            read_only: read_only || ro,
+        };
+        if let Some(c) = t.cold.iter().find(|c| c.rdev == (d.major, d.minor)) {
+            if c.read_only && !read_only {
+                return Err(DevicesError::Refused {
+                    device: d.to_string(),
+                    why: "the pod's device was cold-plugged read-only (its CDI permissions)".into(),
+                });
+            }
+            return Ok(guest(&c.serial, c.read_only));
+        }
+        // Already in a slot of this pod (another container holds it): share it.
+        for s in &mut t.slots {
+            if let Some(h) = &mut s.holder {
+                if h.rdev == (d.major, d.minor) && s.read_only == read_only {
+                    if !h.containers.iter().any(|c| c == cid) {
+                        h.containers.push(cid.to_string());
+                    }
+                    return Ok(guest(&h.serial, s.read_only));
+                }
+            }
+        }
+        if let Hotplug::Unsupported(backend) = self.hotplug {
+            return Err(DevicesError::NoHotplug {
+                device: d.to_string(),
+                backend,
+            });
+        }
+        let count = t.slots.iter().filter(|s| s.read_only == read_only).count();
+        let Some(slot) = t
+            .slots
+            .iter()
+            .position(|s| s.read_only == read_only && s.holder.is_none())
+        else {
+            return Err(DevicesError::SlotsFull {
+                device: d.to_string(),
+                mode: if read_only { "read-only" } else { "read-write" },
+                key: if read_only { "_read_only" } else { "" },
+                count,
+            });
+        };
+        let host = host::block_node(&self.sysfs, d.major, d.minor)?;
+        let file = host::open(&host, d.access)?;
+        t.generation = t.generation.wrapping_add(1);
+        let serial = format!("microvm-hp{}", t.generation);
+        let s = &mut t.slots[slot];
+        s.holder = Some(Holder {
+            serial: serial.clone(),
+            host,
+            rdev: (d.major, d.minor),
+            containers: vec![cid.to_string()],
+        });
+        attach.push(Attach {
+            index: s.index,
+            serial: serial.clone(),
+            file,
+            device: d.to_string(),
+        });
+        Ok(guest(&serial, s.read_only))
+    }
+
+    /// Container `cid` no longer holds its devices: the slots nobody holds any more, to empty.
+    pub fn release(&self, cid: &str) -> Vec<usize> {
+        let mut t = self.lock();
+        let freed = release_in(&mut t, cid);
+        if let Err(e) = self.write(&t) {
+            log::warn!("{e}");
+        }
+        freed
+    }
+
+    /// Whether cold disk `i` of the [`ColdPlug`] is read-only.
+    pub fn cold_read_only(&self, i: usize) -> bool {
+        self.lock().cold.get(i).is_some_and(|c| c.read_only)
+    }
+
+    /// Whether the pod has VFIO devices.
+    pub fn has_vfio(&self) -> bool {
+        !self.lock().vfio.is_empty()
+    }
+}
+
+fn release_in(t: &mut Table, cid: &str) -> Vec<usize> {
+    let mut freed = Vec::new();
+    for s in &mut t.slots {
+        let Some(h) = &mut s.holder else { continue };
+        h.containers.retain(|c| c != cid);
+        if h.containers.is_empty() {
+            s.holder = None;
+            freed.push(s.index);
+        }
+    }
+    freed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn table(dir: &Path, rw: usize, ro: usize, hotplug: Hotplug, sysfs: &Path) -> DeviceTable {
+        let cold = ColdPlug::default();
+        let layout = disk_layout(&cold, rw, ro);
+        let mut t =
+            DeviceTable::new(dir.join(RECORD_FILE), hotplug, &layout, &cold, Vec::new()).unwrap();
+        t.sysfs = sysfs.to_path_buf();
+        t
+    }
+
+    /// A spec with one block device and its allow rule.
+    fn spec(path: &str, major: u32, minor: u32, access: &str) -> Value {
+        json!({"linux": {
+            "devices": [{"path": path, "type": "b", "major": major, "minor": minor}],
+            "resources": {"devices": [{"allow": true, "type": "b", "major": major,
+                                       "minor": minor, "access": access}]}}})
+    }
+
+    /// The first real block device of this host, if any (a loop device needs root).
+    fn host_block() -> Option<(u32, u32)> {
+        for e in std::fs::read_dir("/sys/dev/block").ok()?.flatten() {
+            let name = e.file_name().into_string().ok()?;
+            let (ma, mi) = name.split_once(':')?;
+            let (ma, mi) = (ma.parse().ok()?, mi.parse().ok()?);
+            let node = host::block_node(Path::new("/sys"), ma, mi).ok()?;
+            if host::open(&node, Access::ReadOnly).is_ok() {
+                return Some((ma, mi));
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn layout_puts_cold_disks_first_then_slots() {
+        let l = disk_layout(&ColdPlug::default(), 2, 1);
+        assert_eq!(
+            l,
+            vec![
+                DiskLayout::Empty {
+                    serial: "microvm-slot0".into(),
+                    read_only: false
+                },
+                DiskLayout::Empty {
+                    serial: "microvm-slot1".into(),
+                    read_only: false
+                },
+                DiskLayout::Empty {
+                    serial: "microvm-slot2".into(),
+                    read_only: true
+                },
+            ]
+        );
+        assert!(l.iter().all(|d| match d {
+            DiskLayout::Empty { serial, .. } | DiskLayout::Cold { serial, .. } =>
+                serial.len() <= 20,
+        }));
+    }
+
+    #[test]
+    fn refusals_name_the_device_and_leave_nothing_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = table(dir.path(), 1, 0, Hotplug::Supported, Path::new("/sys"));
+        let s = json!({"linux": {"devices": [
+            {"path": "/dev/net/tun", "type": "c", "major": 10, "minor": 200}]}});
+        let e = t.prepare("c1", &s).unwrap_err();
+        assert!(e.is_refusal());
+        assert!(e.to_string().contains("/dev/net/tun (c 10:200)"), "{e}");
+        // No read-only slot at all.
+        let e = t
+            .prepare("c1", &spec("/dev/xvda", 7, 0, "r"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("all 0 read-only block slots"), "{e}");
+        assert!(e.contains("/dev/xvda (b 7:0)"), "{e}");
+        let q = table(
+            dir.path(),
+            1,
+            0,
+            Hotplug::Unsupported("qemu"),
+            Path::new("/sys"),
+        );
+        let e = q
+            .prepare("c1", &spec("/dev/xvda", 7, 0, "rw"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("qemu backend cannot hot-plug"), "{e}");
+        let record: Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join(RECORD_FILE)).unwrap()).unwrap();
+        assert!(record["slots"][0]["holder"].is_null(), "{record}");
+    }
+
+    #[test]
+    fn slots_are_taken_shared_and_given_back() {
+        let Some((ma, mi)) = host_block() else {
+            eprintln!("no readable host block device: skipped");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let t = table(dir.path(), 1, 1, Hotplug::Supported, Path::new("/sys"));
+        let p = t.prepare("c1", &spec("/dev/xvda", ma, mi, "r")).unwrap();
+        assert_eq!(p.attach.len(), 1);
+        assert_eq!(p.attach[0].index, 1, "the read-only slot");
+        assert_eq!(
+            p.blocks,
+            vec![GuestBlock {
+                container_path: "/dev/xvda".into(),
+                serial: p.attach[0].serial.clone(),
+                read_only: true
+            }]
+        );
+        // A second container of the pod shares the slot; no second attach.
+        let p2 = t.prepare("c2", &spec("/dev/disk", ma, mi, "r")).unwrap();
+        assert!(p2.attach.is_empty());
+        assert_eq!(p2.blocks[0].serial, p.attach[0].serial);
+        // Full for a third device of the same mode.
+        let other = spec("/dev/other", ma, mi.wrapping_add(1000), "r");
+        assert!(matches!(
+            t.prepare("c3", &other).unwrap_err(),
+            DevicesError::SlotsFull { count: 1, .. }
+        ));
+        assert!(t.release("c1").is_empty(), "c2 still holds it");
+        let record = std::fs::read_to_string(dir.path().join(RECORD_FILE)).unwrap();
+        assert!(record.contains("\"c2\""), "{record}");
+        assert_eq!(t.release("c2"), vec![1]);
+        // The slot is free again, with a new serial.
+        let p3 = t.prepare("c4", &spec("/dev/xvda", ma, mi, "r")).unwrap();
+        assert_eq!(p3.attach[0].index, 1);
+        assert_ne!(p3.attach[0].serial, p.attach[0].serial);
+    }
+
+    #[test]
+    fn vfio_nodes_leave_the_spec_only_with_vfio_devices() {
+        let dir = tempfile::tempdir().unwrap();
+        let cold = ColdPlug::default();
+        let s = json!({"linux": {"devices": [
+            {"path": "/dev/vfio/vfio", "type": "c", "major": 10, "minor": 196},
+            {"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229}]}});
+        let t = DeviceTable::new(
+            dir.path().join(RECORD_FILE),
+            Hotplug::Supported,
+            &[],
+            &cold,
+            vec![PathBuf::from("/sys/bus/pci/devices/0000:00:01.0")],
+        )
+        .unwrap();
+        let p = t.prepare("c1", &s).unwrap();
+        assert_eq!(p.removed.len(), 1);
+        assert!(p.blocks.is_empty());
+        let t = table(dir.path(), 0, 0, Hotplug::Supported, Path::new("/sys"));
+        assert!(t
+            .prepare("c1", &s)
+            .unwrap_err()
+            .to_string()
+            .contains("/dev/vfio/vfio"));
+    }
+
+    #[test]
+    fn resolves_vfio_from_a_pci_address_or_a_cdi_group_node() {
+        let sys = tempfile::tempdir().unwrap();
+        let pci = sys.path().join("bus/pci/devices/0000:00:01.0");
+        std::fs::create_dir_all(&pci).unwrap();
+        std::fs::write(pci.join("iommu_group"), "").unwrap();
+        let held = vec![
+            HeldDevice::Plugin {
+                resource: "example.com/edu".into(),
+                id: "0000:00:01.0".into(),
+            },
+            HeldDevice::Plugin {
+                resource: "example.com/none".into(),
+                id: "x".into(),
+            },
+        ];
+        let c = resolve(&held, &[], sys.path()).unwrap();
+        assert_eq!(c.vfio, vec![pci]);
+        assert!(c.disks.is_empty());
+        assert!(is_pci_address("0000:af:1f.7"));
+        assert!(!is_pci_address("0000:af:1f"));
+        assert!(!is_pci_address("../../../../x"));
+    }
+}
