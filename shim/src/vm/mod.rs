@@ -442,12 +442,15 @@ impl GuestVm {
                 mtu: Some(nic.mtu),
             });
         }
-        if !spec.vfio.is_empty() {
-            // The embedded VMM's VFIO comes from the "vfio" branch, wired by the lead.
-            return Err(GuestVmError::Unsupported(
-                "VFIO devices on the embedded VMM",
-            ));
-        }
+        // Host PCI devices (bound to vfio-pci) the pod holds, on the VM's PCI root
+        // (docs/vfio.md); the VMM opens their IOMMU groups.
+        cfg.vfio = spec
+            .vfio
+            .iter()
+            .map(|sysfs_path| vmm::VfioConfig {
+                sysfs_path: sysfs_path.clone(),
+            })
+            .collect();
         for d in &spec.disks {
             let backing = match &d.backing {
                 DiskBacking::Empty { read_only } => vmm::BlockBacking::Empty {
