@@ -21,6 +21,82 @@ const MOUNTS_FILE: &str = "mounts";
 /// How long a cleanup waits for a killed process to go.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
+/// Why an undo record (the host resources' `network.json`, `cgroup.json`, `devices.json`) could
+/// not be read, written or removed; names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("{action} undo record {}: {source}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("undo record {}: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Reads the undo record at `path` (JSON); `None` when there is none.
+pub fn read_record<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, RecordError> {
+    let bytes = match fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(RecordError::Io {
+                action: "reading",
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|source| RecordError::Json {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// Writes the undo record at `path`: whole to `<path>.tmp`, synced, then renamed, so a crash
+/// leaves the old record or the new one, never half of one.
+pub fn write_record<T: serde::Serialize>(path: &Path, record: &T) -> Result<(), RecordError> {
+    let io_err = |source| RecordError::Io {
+        action: "writing",
+        path: path.to_path_buf(),
+        source,
+    };
+    let json = serde_json::to_vec_pretty(record).map_err(|source| RecordError::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    {
+        let mut f = fs::File::create(&tmp).map_err(io_err)?;
+        f.write_all(&json).map_err(io_err)?;
+        f.sync_all().map_err(io_err)?;
+    }
+    fs::rename(&tmp, path).map_err(io_err)
+}
+
+/// Removes the undo record at `path`; one that is already gone is fine.
+pub fn remove_record(path: &Path) -> Result<(), RecordError> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(RecordError::Io {
+            action: "removing",
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
 /// The state root: `MICROVM_STATE_ROOT`, else `/run/microvm`.
 pub fn state_root() -> PathBuf {
     std::env::var_os(STATE_ROOT_ENV)

@@ -15,7 +15,6 @@ pub mod overhead;
 pub mod path;
 
 use std::collections::{BTreeMap, HashMap};
-use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -26,6 +25,7 @@ use cgroups_rs::fs::{hierarchies, Cgroup};
 use cgroups_rs::CgroupPid;
 use serde::{Deserialize, Serialize};
 
+use crate::state;
 use overhead::{Amounts, Defaults, Limits, Overhead};
 use path::PodCgroup;
 
@@ -43,17 +43,8 @@ pub enum CgroupError {
     Overhead(String),
     #[error("{path} exists: this pod already has a host cgroup recorded")]
     RecordExists { path: PathBuf },
-    #[error("{action} {path}: {source}")]
-    RecordIo {
-        action: &'static str,
-        path: PathBuf,
-        source: io::Error,
-    },
-    #[error("{path}: {source}")]
-    RecordParse {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    #[error(transparent)]
+    Record(#[from] crate::state::RecordError),
     #[error("{what} (cgroup {cgroup}): {source}")]
     Cgroup {
         what: &'static str,
@@ -496,48 +487,15 @@ fn kill(pid: u64) -> bool {
 
 /// Reads the record; `None` when there is none.
 pub fn read_record(path: &Path) -> Result<Option<CgroupRecord>, CgroupError> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => {
-            return Err(CgroupError::RecordIo {
-                action: "reading",
-                path: path.to_path_buf(),
-                source,
-            })
-        }
-    };
-    serde_json::from_slice(&bytes)
-        .map(Some)
-        .map_err(|source| CgroupError::RecordParse {
-            path: path.to_path_buf(),
-            source,
-        })
+    Ok(state::read_record(path)?)
 }
 
 fn write_record(path: &Path, record: &CgroupRecord) -> Result<(), CgroupError> {
-    let io_err = |source| CgroupError::RecordIo {
-        action: "writing",
-        path: path.to_path_buf(),
-        source,
-    };
-    let bytes = serde_json::to_vec_pretty(record).map_err(|e| io_err(io::Error::other(e)))?;
-    // Written whole to a temporary name, then renamed: a crash leaves the old or the new record.
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, bytes).map_err(io_err)?;
-    std::fs::rename(&tmp, path).map_err(io_err)
+    Ok(state::write_record(path, record)?)
 }
 
 fn remove_record(path: &Path) -> Result<(), CgroupError> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(CgroupError::RecordIo {
-            action: "removing",
-            path: path.to_path_buf(),
-            source,
-        }),
-    }
+    Ok(state::remove_record(path)?)
 }
 
 #[cfg(test)]
@@ -565,7 +523,7 @@ mod tests {
         std::fs::write(&p, b"{").unwrap();
         assert!(matches!(
             read_record(&p),
-            Err(CgroupError::RecordParse { .. })
+            Err(CgroupError::Record(state::RecordError::Json { .. }))
         ));
     }
 

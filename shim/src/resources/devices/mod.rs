@@ -80,11 +80,8 @@ pub enum DevicesError {
     Attach { device: String, detail: String },
     #[error("VFIO device {0}")]
     Vfio(String),
-    #[error("recording the pod's devices in {}: {source}", path.display())]
-    Record {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error("recording the pod's devices: {0}")]
+    Record(#[from] crate::state::RecordError),
 }
 
 impl DevicesError {
@@ -394,14 +391,7 @@ impl DeviceTable {
     }
 
     fn write(&self, t: &Table) -> Result<(), DevicesError> {
-        let json = serde_json::to_vec_pretty(t).unwrap_or_default();
-        let tmp = self.record.with_extension("json.tmp");
-        std::fs::write(&tmp, json)
-            .and_then(|()| std::fs::rename(&tmp, &self.record))
-            .map_err(|source| DevicesError::Record {
-                path: self.record.clone(),
-                source,
-            })
+        Ok(crate::state::write_record(&self.record, t)?)
     }
 
     /// Places container `cid`'s devices (module doc). Slots it takes are reserved for it now:

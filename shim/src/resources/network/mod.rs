@@ -236,17 +236,8 @@ pub enum NetworkError {
     TapVanished(String),
     #[error("undo record {path} exists: tear the pod network down first")]
     RecordExists { path: PathBuf },
-    #[error("{action} undo record {path}: {source}")]
-    RecordIo {
-        action: &'static str,
-        path: PathBuf,
-        source: io::Error,
-    },
-    #[error("undo record {path}: {source}")]
-    RecordParse {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    #[error(transparent)]
+    Record(#[from] crate::state::RecordError),
     #[error("{cause}; undoing the partial setup failed too: {undo}")]
     UndoFailed {
         cause: Box<NetworkError>,

@@ -1,13 +1,12 @@
 //! The undo record: what setup created, written before it creates anything, so that teardown
 //! (in this process or a fresh one after a crash) removes exactly that.
 
-use std::fs::File;
-use std::io;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use super::NetworkError;
+use crate::state;
 
 /// Whether setup added the CNI interface's ingress qdisc (teardown deletes it, and our filter
 /// with it) or found one there (an `ingress` or `clsact` of someone else's: teardown deletes
@@ -37,57 +36,15 @@ pub struct UndoRecord {
 
 /// Reads an undo record; `None` when there is none.
 pub fn read_record(path: &Path) -> Result<Option<UndoRecord>, NetworkError> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => {
-            return Err(NetworkError::RecordIo {
-                action: "reading",
-                path: path.to_path_buf(),
-                source,
-            })
-        }
-    };
-    serde_json::from_slice(&bytes)
-        .map(Some)
-        .map_err(|source| NetworkError::RecordParse {
-            path: path.to_path_buf(),
-            source,
-        })
+    Ok(state::read_record(path)?)
 }
 
 pub(super) fn write_record(path: &Path, undo: &UndoRecord) -> Result<(), NetworkError> {
-    let io_err = |source| NetworkError::RecordIo {
-        action: "writing",
-        path: path.to_path_buf(),
-        source,
-    };
-    let json = serde_json::to_vec_pretty(undo).map_err(|source| NetworkError::RecordParse {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    {
-        use std::io::Write;
-        let mut f = File::create(&tmp).map_err(io_err)?;
-        f.write_all(&json).map_err(io_err)?;
-        f.sync_all().map_err(io_err)?;
-    }
-    std::fs::rename(&tmp, path).map_err(io_err)
+    Ok(state::write_record(path, undo)?)
 }
 
 pub(super) fn remove_record(path: &Path) -> Result<(), NetworkError> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(NetworkError::RecordIo {
-            action: "removing",
-            path: path.to_path_buf(),
-            source,
-        }),
-    }
+    Ok(state::remove_record(path)?)
 }
 
 #[cfg(test)]
