@@ -77,6 +77,8 @@ pub enum InstallError {
         #[source]
         source: containerd_config::ConfigError,
     },
+    #[error(transparent)]
+    RecordFile(#[from] crate::state::RecordError),
     #[error("the install record {}: {reason}", path.display())]
     Record { path: PathBuf, reason: String },
     #[error("{} is not ours (not a link to {}): left alone; remove it or pick another --shim-link-dir", link.display(), target.display())]
@@ -458,24 +460,11 @@ fn merge(first: InstallRecord, later: InstallRecord) -> InstallRecord {
 }
 
 fn read_record(path: &Path) -> Result<Option<InstallRecord>, InstallError> {
-    match fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| InstallError::Record {
-                path: path.to_path_buf(),
-                reason: e.to_string(),
-            }),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(io_err("reading", path)(e)),
-    }
+    Ok(crate::state::read_record(path)?)
 }
 
 fn write_record(path: &Path, record: &InstallRecord) -> Result<(), InstallError> {
-    let text = serde_json::to_string_pretty(record).map_err(|e| InstallError::Record {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
-    write_atomically(path, &text)
+    Ok(crate::state::write_record(path, record)?)
 }
 
 /// Undoes `record`: containerd's config, the link, the files, the folders (innermost first).
