@@ -76,6 +76,18 @@ fn write(path: &Path, value: &str) {
 /// memory limit and a CPU quota (per 100 ms) where given. Removed on drop.
 struct PodCgroup {
     rel: String,
+    driver: Driver,
+}
+
+/// kubelet's cgroup driver, which decides the form of `linux.cgroup_parent`.
+#[derive(Clone, Copy, PartialEq)]
+enum Driver {
+    /// A path: `/<parent>/pod<uid>`.
+    Cgroupfs,
+    /// A slice name, `kubepods-burstable-pod<uid>.slice`, which containerd turns into the
+    /// `slice:cri-containerd:<id>` cgroupsPath and systemd places at
+    /// `/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid>.slice`.
+    Systemd,
 }
 
 impl PodCgroup {
@@ -84,6 +96,27 @@ impl PodCgroup {
             "{}/pod-{name}",
             ctrd.cgroup_parent().trim_start_matches('/')
         );
+        Self::make(rel, Driver::Cgroupfs, memory, cpu)
+    }
+
+    /// The pod cgroup of kubelet's systemd driver, made as systemd would make the slices (here
+    /// by hand: the shim writes cgroupfs directly in both forms). A unique pod uid keeps it apart
+    /// from anything else on the host.
+    fn create_systemd(memory: Option<u64>, cpu: Option<u64>) -> Self {
+        let uid = format!(
+            "{}x{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        );
+        let rel =
+            format!("kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid}.slice");
+        Self::make(rel, Driver::Systemd, memory, cpu)
+    }
+
+    fn make(rel: String, driver: Driver, memory: Option<u64>, cpu: Option<u64>) -> Self {
         if unified() {
             // Each ancestor hands memory and cpu down, as systemd / kubelet set it up.
             let mut dir = PathBuf::from(CGROUP_ROOT);
@@ -97,7 +130,7 @@ impl PodCgroup {
                 std::fs::create_dir_all(h.join(&rel)).unwrap();
             }
         }
-        let pc = PodCgroup { rel };
+        let pc = PodCgroup { rel, driver };
         pc.set_limits(memory, cpu);
         pc
     }
@@ -120,9 +153,12 @@ impl PodCgroup {
         }
     }
 
-    /// `linux.cgroup_parent` for the pod: the cgroupfs driver's form.
+    /// `linux.cgroup_parent` for the pod, in its driver's form.
     fn parent(&self) -> String {
-        format!("/{}", self.rel)
+        match self.driver {
+            Driver::Cgroupfs => format!("/{}", self.rel),
+            Driver::Systemd => self.rel.rsplit('/').next().unwrap().to_string(),
+        }
     }
 
     /// The pod's host cgroup, relative to the roots.
@@ -159,6 +195,11 @@ impl Drop for PodCgroup {
     fn drop(&mut self) {
         for h in hierarchies() {
             let _ = std::fs::remove_dir(h.join(&self.rel));
+            if self.driver == Driver::Systemd {
+                // The QoS and kubepods slices, where this test made them (busy ones stay).
+                let _ = std::fs::remove_dir(h.join("kubepods.slice/kubepods-burstable.slice"));
+                let _ = std::fs::remove_dir(h.join("kubepods.slice"));
+            }
         }
     }
 }
@@ -561,4 +602,36 @@ async fn overhead_from_the_annotation_and_the_config_and_no_cgroup_after_a_faile
     );
     drop(pc);
     assert_nothing_new(&ctrd, &before);
+}
+
+/// kubelet's systemd driver: the pod cgroup is a slice (`kubepods-burstable-pod<uid>.slice`),
+/// containerd hands the shim `slice:cri-containerd:<id>`, and the shim finds the pod cgroup where
+/// systemd puts the slice and makes its host cgroup there, sized the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_systemd_drivers_slice_is_the_pod_cgroup() {
+    let _serial = SERIAL.lock().await;
+    let (_dir, ctrd, cri) = start_cgroup_containerd(None).await;
+    let pc = PodCgroup::create_systemd(Some(512 * MI), Some(1500));
+    let pod = run_pod_in(
+        &ctrd,
+        &cri,
+        "cg-systemd",
+        &pc,
+        Some((256 * MI, 1000)),
+        HashMap::new(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let rel = pc.host_cgroup(&pod.id);
+    assert!(
+        !pc.host_cgroup_dirs(&pod.id).is_empty(),
+        "no host cgroup at {rel}\ncontainerd log:\n{}",
+        ctrd.log_tail()
+    );
+    assert_eq!(host_limits(&rel), (512 * MI, 1500));
+    let line = cgroup_log_line(&ctrd, &pod.id);
+    assert!(line.contains("systemd driver"), "{line}");
+    eprintln!("{line}");
+    assert_pod_processes_inside(&ctrd, &pod, &rel);
+    remove_and_check(&ctrd, &cri, &pod, &pc).await;
 }
