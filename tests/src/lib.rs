@@ -3,6 +3,7 @@
 
 pub mod containerd;
 pub mod cri;
+pub mod guest_console;
 pub mod images;
 pub mod lifecycle;
 pub mod microvm_pods;

@@ -10,67 +10,29 @@
 //! `MICROVM_GUEST_DIR` overrides where it is looked for).
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
+use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use microvm_tests::guest_console::{test_guest_elf, Console};
 use vmm::{BlockBacking, BlockConfig, SerialSink, Vm, VmConfig, VmExit, VmHandle};
 
 /// Bound for each wait (kvm-pvm emulates the guest's kernel-mode code).
 const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Waits for `line` on the console; fails with the console if the guest ended first.
+fn wait_for_line(console: &Console, line: &str) {
+    console.wait_until(
+        &format!("{line:?}"),
+        TIMEOUT,
+        |t| t.lines().any(|l| l == line),
+        |t| t.contains("RESULT: "),
+    );
+}
 const VDA_SECTORS: u64 = 2048;
 const VDB_SECTORS: u64 = 64;
 const VDC_SECTORS: u64 = 4096;
-
-fn guest_elf() -> PathBuf {
-    let dir = std::env::var_os("MICROVM_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../build/guests"));
-    let elf = dir.join("blk-test.elf");
-    assert!(
-        elf.is_file(),
-        "{} is missing: build the test guests with `make -C tests/guests`",
-        elf.display()
-    );
-    elf
-}
-
-#[derive(Clone, Default)]
-struct Console(Arc<Mutex<Vec<u8>>>);
-
-impl io::Write for Console {
-    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
-        self.0.lock().expect("console lock").extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Console {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().expect("console lock")).replace('\r', "")
-    }
-
-    /// Waits for `line` on the console; fails with the console if the guest ended first.
-    fn wait_for(&self, line: &str) {
-        let end = Instant::now() + TIMEOUT;
-        loop {
-            let text = self.text();
-            if text.lines().any(|l| l == line) {
-                return;
-            }
-            assert!(
-                !text.contains("RESULT: ") && Instant::now() < end,
-                "no {line:?}; console:\n{text}"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
 
 /// The guest's pattern `k`: byte at disk offset `o` is `o % 251 + k`.
 fn pattern(sectors: u64, k: u8) -> Vec<u8> {
@@ -134,7 +96,7 @@ struct Run {
 /// third slot that gets `vdc` once the guest waits for it; checks the guest's report.
 fn run_guest(vda: &Path, vdb: &Path, vdc: &Path) -> Run {
     let console = Console::default();
-    let mut cfg = VmConfig::new(guest_elf());
+    let mut cfg = VmConfig::new(test_guest_elf("blk-test.elf"));
     cfg.memory_mib = 64;
     cfg.serial = SerialSink::Writer(Box::new(console.clone()));
     cfg.blocks = vec![
@@ -164,17 +126,17 @@ fn run_guest(vda: &Path, vdb: &Path, vdc: &Path) -> Run {
         Err(vmm::VmmError::NoBlockSlot { index: 3, count: 3 })
     ));
 
-    console.wait_for("blk-test: waiting for attach");
+    wait_for_line(&console, "blk-test: waiting for attach");
     // A slot that has a disk refuses another one.
     assert!(handle.attach_block(0, "x".into(), rw(vdc)).is_err());
     handle
         .attach_block(2, "hot-disk".into(), rw(vdc))
         .expect("attach vdc");
     assert_eq!(handle.block_capacity(2).expect("slot 2"), VDC_SECTORS);
-    console.wait_for("blk-test: waiting for detach");
+    wait_for_line(&console, "blk-test: waiting for detach");
     handle.detach_block(2).expect("detach vdc");
     assert!(handle.detach_block(2).is_err(), "vdc is already empty");
-    console.wait_for("blk-test: detached");
+    wait_for_line(&console, "blk-test: detached");
     let stats: Vec<_> = (0..3)
         .map(|i| handle.block_stats(i).expect("stats"))
         .collect();
@@ -309,7 +271,7 @@ fn loop_devices_as_disks_carry_the_guests_data_to_their_files() {
 
 #[test]
 fn a_too_long_serial_or_a_directory_is_refused_at_start() {
-    let mut cfg = VmConfig::new(guest_elf());
+    let mut cfg = VmConfig::new(test_guest_elf("blk-test.elf"));
     cfg.serial = SerialSink::Null;
     cfg.blocks.push(BlockConfig {
         serial: "s".repeat(21),
@@ -318,7 +280,7 @@ fn a_too_long_serial_or_a_directory_is_refused_at_start() {
     let e = Vm::start(cfg).err().expect("refused").to_string();
     assert!(e.contains("disk 0") && e.contains("longer than 20"), "{e}");
 
-    let mut cfg = VmConfig::new(guest_elf());
+    let mut cfg = VmConfig::new(test_guest_elf("blk-test.elf"));
     cfg.serial = SerialSink::Null;
     cfg.blocks.push(BlockConfig {
         serial: "dir".into(),

@@ -11,6 +11,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use microvm_tests::guest_console::Console;
 use shim::agent::AgentClient;
 use shim::vm::{new_work_dir, Backend, GuestSpec, GuestVm};
 use shim::{artifacts, host_check};
@@ -102,40 +103,14 @@ fn linux_guest_boots_on_embedded_vmm_2_vcpus() {
     boot_and_check(2, 512);
 }
 
-/// A console sink kept for inspection.
-#[derive(Clone, Default)]
-struct Console(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Console {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Console {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).replace('\r', "")
-    }
-
-    /// Waits for a console line containing `what`; fails with the console on a timeout.
-    fn wait_for(&self, what: &str, timeout: Duration) {
-        let end = std::time::Instant::now() + timeout;
-        while !self.text().contains(what) {
-            assert!(
-                std::time::Instant::now() < end,
-                "no {what:?} on the console within {timeout:?}; console:\n{}",
-                self.text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+/// Waits for a console line containing `what`; fails with the console on a timeout.
+fn wait_for(console: &Console, what: &str, timeout: Duration) {
+    console.wait_until(
+        &format!("{what:?}"),
+        timeout,
+        |t| t.contains(what),
+        |_| false,
+    );
 }
 
 fn disk_file(sectors: u64) -> tempfile::NamedTempFile {
@@ -188,22 +163,31 @@ fn linux_guest_sees_virtio_blk_disks_and_a_hot_attach() {
     ];
     let handle = vmm::Vm::start(cfg).expect("the VM starts");
     let t = Duration::from_secs(180);
-    console.wait_for("[vda] 4096 512-byte logical blocks (2.10 MB/2.00 MiB)", t);
-    console.wait_for("[vdb] 2048 512-byte logical blocks (1.05 MB/1.00 MiB)", t);
-    console.wait_for("[vdc] 0 512-byte logical blocks", t);
-    console.wait_for("Waiting for root device /dev/vdz", t);
+    wait_for(
+        &console,
+        "[vda] 4096 512-byte logical blocks (2.10 MB/2.00 MiB)",
+        t,
+    );
+    wait_for(
+        &console,
+        "[vdb] 2048 512-byte logical blocks (1.05 MB/1.00 MiB)",
+        t,
+    );
+    wait_for(&console, "[vdc] 0 512-byte logical blocks", t);
+    wait_for(&console, "Waiting for root device /dev/vdz", t);
     // The kernel read the partition tables: the device served real reads.
     assert!(handle.block_stats(0).expect("stats").read_bytes > 0);
 
     handle
         .attach_block(2, "hot".into(), open_rw(hot.path()))
         .expect("attach");
-    console.wait_for(
+    wait_for(
+        &console,
         "[vdc] new size: 8192 512-byte logical blocks (4.19 MB/4.00 MiB)",
         t,
     );
     handle.detach_block(2).expect("detach");
-    console.wait_for("[vdc] new size: 0 512-byte logical blocks", t);
+    wait_for(&console, "[vdc] new size: 0 512-byte logical blocks", t);
     let text = console.text();
     assert!(
         text.lines()

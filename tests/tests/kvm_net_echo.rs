@@ -16,9 +16,10 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use microvm_tests::guest_console::{test_guest_elf, Console};
 use vmm::{NetConfig, SerialSink, Vm, VmConfig, VmExit, VmHandle};
 
 const GUEST_MAC: [u8; 6] = [0x02, 0x6d, 0x76, 0x00, 0x00, 0x01];
@@ -31,19 +32,6 @@ const KIND_STOP: u8 = 2;
 const GUEST_RX_BUFS: usize = 16;
 /// Bound for each wait (kvm-pvm emulates the guest's kernel-mode code).
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn guest_elf() -> PathBuf {
-    let dir = std::env::var_os("MICROVM_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../build/guests"));
-    let elf = dir.join("net-echo.elf");
-    assert!(
-        elf.is_file(),
-        "{} is missing: build the test guests with `make -C tests/guests`",
-        elf.display()
-    );
-    elf
-}
 
 fn require_root() {
     // SAFETY: geteuid has no preconditions and touches no memory.
@@ -219,25 +207,6 @@ impl PacketSocket {
     }
 }
 
-#[derive(Clone, Default)]
-struct Console(Arc<Mutex<Vec<u8>>>);
-
-impl io::Write for Console {
-    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
-        self.0.lock().expect("console lock").extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Console {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().expect("console lock")).replace('\r', "")
-    }
-}
-
 /// An Ethernet frame of `len` bytes for the guest: our header, `kind`, a sequence number, a
 /// pattern.
 fn frame(len: usize, kind: u8, seq: u32) -> Vec<u8> {
@@ -304,7 +273,7 @@ impl Rig {
             .expect("AF_PACKET socket on the tap");
 
         let console = Console::default();
-        let mut cfg = VmConfig::new(guest_elf());
+        let mut cfg = VmConfig::new(test_guest_elf("net-echo.elf"));
         cfg.memory_mib = 64;
         cfg.cmdline = cmdline.to_owned();
         cfg.serial = SerialSink::Writer(Box::new(console.clone()));
@@ -329,22 +298,16 @@ impl Rig {
     }
 
     fn wait_ready(&mut self, mtu: u16) {
-        let end = Instant::now() + TIMEOUT;
-        loop {
-            let text = self.console.text();
-            if text.contains("net-echo: ready") {
-                let mac = GUEST_MAC.map(|b| format!("{b:02x}")).join(":");
-                let want = format!("mac {mac} mtu {mtu} link up");
-                assert!(text.contains(&want), "want {want:?}; console:\n{text}");
-                return;
-            }
-            let ended = text.contains("RESULT: ");
-            assert!(
-                !ended && Instant::now() < end,
-                "the guest did not get ready; console:\n{text}"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.console.wait_until(
+            "\"net-echo: ready\"",
+            TIMEOUT,
+            |t| t.contains("net-echo: ready"),
+            |t| t.contains("RESULT: "),
+        );
+        let text = self.console.text();
+        let mac = GUEST_MAC.map(|b| format!("{b:02x}")).join(":");
+        let want = format!("mac {mac} mtu {mtu} link up");
+        assert!(text.contains(&want), "want {want:?}; console:\n{text}");
     }
 
     /// The next echo; fails with the console on a timeout, or at once if the guest ended.
@@ -602,7 +565,7 @@ fn a_tap_without_a_vnet_header_is_refused_and_nothing_is_left() {
         Ok(file.into())
     });
     let tap = tap.expect("create a tap without IFF_VNET_HDR");
-    let mut cfg = VmConfig::new(guest_elf());
+    let mut cfg = VmConfig::new(test_guest_elf("net-echo.elf"));
     cfg.memory_mib = 16;
     cfg.serial = SerialSink::Null;
     cfg.nets.push(NetConfig {

@@ -6,11 +6,11 @@
 //! Needs the guest built (`make guests`, or `make -C tests/guests`; `MICROVM_GUEST_DIR`
 //! overrides where it is looked for) and /dev/kvm; without them the tests fail with the reason.
 
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::path::PathBuf;
 use std::thread;
 use std::time::Duration;
 
+use microvm_tests::guest_console::{test_guest_elf, Console};
 use microvm_tests::vsock_peer::{host_initiated_echo, EchoReport, GuestEchoServer};
 use vmm::{BootProtocol, SerialSink, Vm, VmConfig, VmExit, VsockConfig};
 
@@ -18,19 +18,6 @@ use vmm::{BootProtocol, SerialSink, Vm, VmConfig, VmExit, VsockConfig};
 const TIMEOUT: Duration = Duration::from_secs(120);
 const GUEST_PORT: u32 = 1234;
 const HOST_PORT: u32 = 5678;
-
-fn guest_elf() -> PathBuf {
-    let dir = std::env::var_os("MICROVM_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../build/guests"));
-    let elf = dir.join("vsock-echo.elf");
-    assert!(
-        elf.is_file(),
-        "{} is missing: build the test guests with `make guests`",
-        elf.display()
-    );
-    elf
-}
 
 /// A work dir for one VM's sockets, removed on drop.
 struct WorkDir(PathBuf);
@@ -48,25 +35,6 @@ impl WorkDir {
 impl Drop for WorkDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-#[derive(Clone, Default)]
-struct Console(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Console {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("console lock").extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Console {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().expect("console lock")).replace('\r', "")
     }
 }
 
@@ -103,7 +71,7 @@ fn run(r: Run<'_>) -> Outcome {
     let work = WorkDir::new(r.name);
     let uds = work.0.join("vsock.sock");
     let console = Console::default();
-    let mut cfg = VmConfig::new(guest_elf());
+    let mut cfg = VmConfig::new(test_guest_elf("vsock-echo.elf"));
     cfg.cmdline = r.cmdline;
     cfg.boot_protocol = r.boot;
     cfg.vcpus = r.vcpus;
