@@ -91,17 +91,33 @@ impl Shim for MicrovmShim {
             StateDir::new(&state_root(), &pod_id).map_err(|e| Error::Other(e.to_string()))?;
         let address = std::fs::read_to_string(self.bundle.join("address")).unwrap_or_default();
         let address = address.trim();
-        let serving = !address.is_empty() && socket_serves(address).await;
-        if !serving {
-            // A shim killed a moment ago has closed its socket (containerd saw that) before it
-            // has finished exiting: wait for it, bounded, or its pod is never cleaned up. A hung
-            // shim that still lives after the wait is left alone, as one that serves.
-            let deadline = std::time::Instant::now() + DYING_SHIM_WAIT;
-            while state.shim_alive() && std::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+        // A healthy shim (it serves and runs) is left alone at once: containerd also runs this
+        // when one container's connection to a live pod shim closes.
+        if !address.is_empty() && socket_serves(address).await && state.shim_alive() {
+            return Ok(exit_response());
         }
-        if !serving && !state.shim_alive() {
+        // A shim killed a moment ago has closed its connection to containerd (which is why
+        // containerd runs this) before it has finished exiting: its socket may still accept or
+        // its process still be there for a moment. Wait for both to go, bounded, or its pod is
+        // never cleaned up; one that still serves or runs after the wait (hung) is left alone,
+        // and stderr (containerd logs it as cleanup warnings) says so.
+        let deadline = std::time::Instant::now() + DYING_SHIM_WAIT;
+        let gone = loop {
+            let serving = !address.is_empty() && socket_serves(address).await;
+            let alive = state.shim_alive();
+            if !serving && !alive {
+                break true;
+            }
+            if std::time::Instant::now() >= deadline {
+                eprintln!(
+                    "pod {pod_id}: its shim still {} {DYING_SHIM_WAIT:?} after its connection closed: left to it",
+                    if serving { "serves" } else { "runs" }
+                );
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if gone {
             // The same undo as a pod's teardown: the network first (its record lives in the
             // state directory), then its processes, its host cgroup and the state directory.
             crate::sandbox::release_host_resources(&state)
@@ -113,10 +129,7 @@ impl Shim for MicrovmShim {
                 let _ = std::fs::remove_file(socket);
             }
         }
-        let mut resp = DeleteResponse::new();
-        resp.exit_status = 137;
-        resp.exited_at = Some(timestamp(SystemTime::now())).into();
-        Ok(resp)
+        Ok(exit_response())
     }
 
     async fn wait(&mut self) {
@@ -147,6 +160,14 @@ pub fn shim_config() -> Config {
         no_sub_reaper: true,
         ..Config::default()
     }
+}
+
+/// What `<shim> delete` answers: the pod's process was killed (SIGKILL's status), now.
+fn exit_response() -> DeleteResponse {
+    let mut resp = DeleteResponse::new();
+    resp.exit_status = 137;
+    resp.exited_at = Some(timestamp(SystemTime::now())).into();
+    resp
 }
 
 /// A protobuf timestamp.
