@@ -4,6 +4,7 @@
 pub mod containerd;
 pub mod cri;
 pub mod guest_console;
+pub mod host_cgroup;
 pub mod images;
 pub mod lifecycle;
 pub mod microvm_pods;

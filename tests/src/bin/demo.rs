@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use microvm_tests::containerd::{mounts_under, ContainerdOptions, PrivateContainerd};
 use microvm_tests::cri::{container_config, read_cri_log, CriClient};
+use microvm_tests::host_cgroup::HostCgroup;
 use microvm_tests::images::{BUSYBOX_IMAGE, PAUSE_IMAGE};
 use microvm_tests::lifecycle::{
     choose_vm_backend, pod_processes, vm_accel, wait_pod_gone, write_shim_config,
@@ -50,6 +51,35 @@ const FETCH_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn step(n: usize, title: &str) {
     println!("\n== Step {n}/{STEPS}: {title}");
+}
+
+/// The pod's host cgroup (docs/overhead.md): every host process of the pod is in it, sized to the
+/// VM plus the overhead; its limits and what it holds now.
+fn print_host_cgroup(ctrd: &PrivateContainerd, pod_id: &str, when: &str) -> Result<()> {
+    let cg = HostCgroup::of_pod(ctrd.cgroup_parent(), pod_id).with_context(|| {
+        format!(
+            "the pod has no host cgroup under {} (docs/overhead.md)",
+            ctrd.cgroup_parent()
+        )
+    })?;
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1 << 20) as f64);
+    println!(
+        "   the pod's host cgroup ({when}): {} ({})",
+        cg.path, cg.version
+    );
+    println!(
+        "     memory: limit {}, in use {}, peak {}",
+        cg.memory_limit.map_or("none".into(), mib),
+        mib(cg.memory_usage),
+        cg.memory_peak.map_or("n/a".into(), mib)
+    );
+    println!(
+        "     cpu:    limit {}, used {:.2} s",
+        cg.cpu_limit_millis
+            .map_or("none".into(), |m| format!("{m}m")),
+        cg.cpu_usage_us as f64 / 1e6
+    );
+    Ok(())
 }
 
 /// An error of a step, followed by the last lines of containerd's log (where the shim logs).
@@ -205,6 +235,7 @@ async fn run() -> Result<()> {
             .context("the pod has no QEMU process although the backend is qemu")?;
         println!("   the VM runs under QEMU with accel={accel}");
     }
+    print_host_cgroup(&ctrd, &pod.id, "just booted")?;
 
     step(4, "a busybox container in the pod's VM");
     let host_kernel = host_kernel_release()?;
@@ -315,6 +346,8 @@ async fn run() -> Result<()> {
             Some(why)
         }
     };
+
+    print_host_cgroup(&ctrd, &pod.id, "serving its page")?;
 
     step(6, "remove the pod; nothing of it may remain");
     let t = Instant::now();
