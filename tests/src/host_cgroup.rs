@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 /// One reading of a pod's host cgroup.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostCgroup {
     /// Relative to the hierarchy roots.
     pub path: String,

@@ -372,6 +372,8 @@ pub struct PodMemory {
     /// With [`LifecycleOptions::split_guest_ram_of`]: the shim process (which holds the VMM and
     /// the guest RAM) split into guest RAM and the rest, read right after `processes`.
     pub shim_split: Option<GuestRamSplit>,
+    /// The pod's host cgroup (`microvm` pods; read right after `processes`).
+    pub host_cgroup: Option<crate::host_cgroup::HostCgroup>,
 }
 
 impl PodMemory {
@@ -413,6 +415,7 @@ pub fn pod_host_memory(ctrd: &PrivateContainerd, pod_id: &str) -> PodMemory {
     PodMemory {
         processes,
         shim_split: None,
+        host_cgroup: crate::host_cgroup::HostCgroup::of_pod(ctrd.cgroup_parent(), pod_id),
     }
 }
 
@@ -846,6 +849,7 @@ mod tests {
         let m = PodMemory {
             processes: vec![(1, "a".into(), 5), (2, "b".into(), 7), (3, "a".into(), 4)],
             shim_split: None,
+            host_cgroup: None,
         };
         assert_eq!(m.total(), 16);
         assert_eq!(

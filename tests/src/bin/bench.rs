@@ -630,6 +630,8 @@ struct PodSetup {
     embedded_accel: Option<String>,
     /// The VM size the shim gives a pod without limits (ours set none).
     vm_size: shim::sandbox::spec::VmSize,
+    /// The shim's `guest_base_memory_mib`: what a VM holds beyond its containers' limits.
+    guest_base_mib: u64,
     // Fields drop in order: the CRI client before its containerd.
     cri: CriClient,
     ctrd: PrivateContainerd,
@@ -691,6 +693,7 @@ impl PodSetup {
             backend,
             embedded_accel,
             vm_size,
+            guest_base_mib: shim_config.guest_base_memory_mib,
             cri,
             ctrd,
             config_dir,
@@ -728,6 +731,7 @@ async fn pod_bench() -> Result<()> {
         backend,
         embedded_accel,
         vm_size,
+        guest_base_mib,
         cri,
         ctrd,
         config_dir: _config_dir,
@@ -952,6 +956,54 @@ async fn pod_bench() -> Result<()> {
         met(o <= target),
         range(&ours_all, &|m| m.total()),
         range(&runc_all, &|m| m.total())
+    );
+    // The pod's host cgroup (docs/overhead.md): what the kernel charges the whole pod, page
+    // cache included, and what the RuntimeClass overhead must therefore hold.
+    let cgroup = |m: &PodMemory| m.host_cgroup.clone();
+    let usage = |m: &PodMemory| cgroup(m).map_or(0, |c| c.memory_usage);
+    let peak = |m: &PodMemory| cgroup(m).and_then(|c| c.memory_peak).unwrap_or(0);
+    let median_of = |f: &dyn Fn(&PodMemory) -> u64| {
+        let mut v: Vec<u64> = ours_all.iter().map(f).collect();
+        v.sort_unstable();
+        v[(v.len() - 1) / 2]
+    };
+    let Some(cg) = cgroup(&ours_mem) else {
+        bail!(
+            "the idle microvm pod had no host cgroup (the shim makes one under its cgroup_parent)"
+        );
+    };
+    let (cg_usage, cg_peak) = (median_of(&usage), median_of(&peak));
+    println!(
+        "pod_idle_host_cgroup_memory ours={:.1}MiB peak={:.1}MiB limit={} (the pod's host cgroup \
+         ({}), page cache included; VM {} MiB) {tag} (range over the pods: usage {}, peak {})",
+        mib(cg_usage),
+        mib(cg_peak),
+        cg.memory_limit
+            .map_or("none".to_string(), |l| format!("{:.0}MiB", mib(l))),
+        cg.version,
+        vm_size.memory_mib,
+        range(&ours_all, &usage),
+        range(&ours_all, &peak)
+    );
+    // The overhead a pod cgroup needs beyond its containers' limits: the guest base (a guest
+    // that fills its RAM holds the containers' sum plus this) and what the host side holds
+    // beyond guest RAM. On the embedded VMM the guest RAM is split out of the cgroup's peak;
+    // on QEMU it is not, so the whole idle peak counts as host side (an upper bound).
+    let (host_side, how) = match ours_mem.shim_split {
+        Some(s) => (
+            cg_peak.saturating_sub(s.guest_rss),
+            "cgroup peak minus the guest RAM resident",
+        ),
+        None => (
+            cg_peak,
+            "the whole cgroup peak: QEMU's guest RAM is not split out",
+        ),
+    };
+    println!(
+        "pod_overhead_needed ours={:.0}MiB = guest base {guest_base_mib}MiB + host side {:.1}MiB \
+         ({how}) {tag}",
+        guest_base_mib as f64 + mib(host_side),
+        mib(host_side)
     );
     let by_process = |mem: &PodMemory| {
         mem.by_name()
@@ -1261,6 +1313,7 @@ async fn net_bench() -> Result<()> {
         cri,
         ctrd,
         config_dir: _config_dir,
+        ..
     } = PodSetup::start().await?;
     eprintln!(
         "bench: net: backend {} ({}), a serving pod of each handler, then {runs} runs each, \
