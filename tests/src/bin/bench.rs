@@ -989,10 +989,12 @@ async fn pod_bench() -> Result<()> {
     // that fills its RAM holds the containers' sum plus this) and what the host side holds
     // beyond guest RAM. On the embedded VMM the guest RAM is split out of the cgroup's peak;
     // on QEMU it is not, so the whole idle peak counts as host side (an upper bound).
+    // The cgroup charges memory where it was allocated: what the shim allocated before it moved
+    // into the pod's cgroup stays charged elsewhere, so its own PSS counts where it is larger.
     let (host_side, how) = match ours_mem.shim_split {
         Some(s) => (
-            cg_peak.saturating_sub(s.guest_rss),
-            "cgroup peak minus the guest RAM resident",
+            cg_peak.saturating_sub(s.guest_rss).max(s.own_pss()),
+            "the larger of the cgroup peak minus the guest RAM resident and the shim's own PSS",
         ),
         None => (
             cg_peak,
