@@ -463,6 +463,32 @@ impl CriClient {
         .map(|_| ())
     }
 
+    /// StopPodSandbox then RemovePodSandbox, retried each second as kubelet retries, until both
+    /// succeed or `limit` passes (then the last error). After its shim was killed, containerd
+    /// 1.7 and 2.x report a pod's app container as still running for about 2 s, for runc pods
+    /// as for ours (tests/tests/cri_runc.rs, docs/testing-containerd.md); 1.6 does not.
+    /// Returns the attempts it took.
+    pub async fn stop_and_remove_pod_retrying(
+        &self,
+        id: &str,
+        limit: std::time::Duration,
+    ) -> Result<u32, CriError> {
+        let start = std::time::Instant::now();
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let result = match self.stop_pod_sandbox(id).await {
+                Ok(()) => self.remove_pod_sandbox(id).await,
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(()) => return Ok(attempts),
+                Err(e) if start.elapsed() >= limit => return Err(e),
+                Err(_) => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
+            }
+        }
+    }
+
     /// Ids of every pod sandbox containerd knows.
     pub async fn list_pod_ids(&self) -> Result<Vec<String>, CriError> {
         Ok(self

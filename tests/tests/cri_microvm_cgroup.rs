@@ -357,8 +357,11 @@ fn cgroup_log_line(ctrd: &PrivateContainerd, pod_id: &str) -> String {
 /// Stops and removes the pod, then checks its host cgroup is gone on every hierarchy and
 /// nothing else of it is left.
 async fn remove_and_check(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod, pc: &PodCgroup) {
-    cri.stop_pod_sandbox(&pod.id).await.unwrap();
-    cri.remove_pod_sandbox(&pod.id).await.unwrap();
+    // Retried as kubelet does: after kill -9 of the shim, containerd 1.7 and 2.x report the
+    // app container running for a moment (runc pods alike).
+    cri.stop_and_remove_pod_retrying(&pod.id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
     let deadline = Instant::now() + Duration::from_secs(20);
     while !pc.host_cgroup_dirs(&pod.id).is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;

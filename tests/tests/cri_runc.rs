@@ -409,3 +409,54 @@ async fn runc_timed_lifecycles_and_idle_pod_memory() {
     cri.remove_pod_sandbox(&pod.id).await.unwrap();
     wait_no_processes(&ctrd, Duration::from_secs(10));
 }
+
+/// kill -9 of a runc pod's shim (containerd-shim-runc-v2 serves the whole pod, as ours does)
+/// with an app container running: what containerd makes of it, as kubelet would see it —
+/// StopPodSandbox, then RemovePodSandbox retried (kubelet retries) until it succeeds. The
+/// reference for the same test of the `microvm` handler on each containerd release
+/// (docs/testing-containerd.md): how long until the pod can be removed, and whether it can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runc_pod_after_kill_9_of_its_shim_is_removed_as_kubelet_retries() {
+    let (ctrd, cri) = start().await;
+    let pod = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("runc-kill9", HashMap::new()).unwrap(),
+            "runc",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let app = cri
+        .create_container(
+            &pod,
+            container_config("app", BUSYBOX_IMAGE, &["sleep", "3600"]),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&app).await.unwrap();
+    let shims: Vec<i32> = ctrd
+        .leftover_processes()
+        .into_iter()
+        .filter(|p| p.cmdline.contains("containerd-shim-runc-v2"))
+        .map(|p| p.pid)
+        .collect();
+    assert_eq!(shims.len(), 1, "one runc shim for the pod: {shims:?}");
+    // SAFETY: kill(2) on the pod's shim process found above.
+    unsafe { libc::kill(shims[0], libc::SIGKILL) };
+    let killed = Instant::now();
+    let attempts = cri
+        .stop_and_remove_pod_retrying(&pod.id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "the runc pod could not be removed within 60 s of kill -9 of its shim: {e}\n\
+                 containerd log:\n{}",
+                ctrd.log_tail()
+            )
+        });
+    eprintln!(
+        "{}: runc pod removed {:?} after kill -9 of its shim, on attempt {attempts}",
+        ctrd.version(),
+        killed.elapsed()
+    );
+    wait_no_processes(&ctrd, Duration::from_secs(30));
+}
