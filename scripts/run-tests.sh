@@ -70,13 +70,37 @@ executables() {
            | "\(.target.name)=\(.executable)"'
 }
 
+# Which containerd each embedded-VMM suite runs against: the lane is the long part of CI, so
+# rather than every suite three times, the releases take turns (each is also run with every suite
+# on the QEMU backend above): 1.6 for cri_microvm and cri_microvm_net, 1.7 for
+# cri_microvm_cgroup, 2.1 for cri_microvm_exec and cri_microvm_devices.
+lane_containerd() {
+  local line name suite bin
+  while IFS= read -r line; do
+    name=${line%%=*}
+    case "$name" in
+      cri_microvm_cgroup) suite=trixie ;;
+      cri_microvm_exec|cri_microvm_devices) suite=sid ;;
+      *) suite= ;;
+    esac
+    if [ -n "$suite" ]; then
+      if bin=$(scripts/install-containerd.sh "$suite"); then
+        line="$line@$bin"
+      else
+        echo "FAILED: could not unpack the containerd of Debian $suite for $name; it runs on the system's" >&2
+      fi
+    fi
+    echo "$line"
+  done
+}
+
 ran_embedded=0
 skipped_embedded=0
 if [ $check -eq 0 ]; then
   echo "-- directly on this host's KVM"
   # VFIO passthrough needs a device bound to vfio-pci behind an IOMMU: the lane makes one (edu);
   # a host of its own has none we may take, so its test counts as skipped here.
-  mapfile -t exes < <(executables | grep -v '^kvm_vfio_passthrough=')
+  mapfile -t exes < <(executables | grep -v '^kvm_vfio_passthrough=' | lane_containerd)
   n_embedded=$(( n_embedded - n_vfio ))
   skipped_embedded=$n_vfio
   echo "SKIPPED: $n_vfio VFIO passthrough tests (kvm_vfio_passthrough): they need a device bound to vfio-pci, which only the nested lane (run-in-l1.sh --vfio) provides"
@@ -84,7 +108,7 @@ if [ $check -eq 0 ]; then
   ran_embedded=1
 elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
-  mapfile -t exes < <(executables)
+  mapfile -t exes < <(executables | lane_containerd)
   run_lane() {
     # --vfio: L1 gets an emulated IOMMU and QEMU's edu device for kvm_vfio_passthrough.
     scripts/lane/run-in-l1.sh --vfio --timeout "${MICROVM_LANE_TIMEOUT:-2700}" -- \

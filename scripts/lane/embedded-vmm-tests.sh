@@ -2,7 +2,9 @@
 # The tests of Linux guests on the embedded VMM, as scripts/run-tests.sh runs them: directly on a
 # host whose KVM boots our guest, or inside the nested lane's L1 (scripts/lane/run-in-l1.sh) where
 # it does not. Arguments: the test executables (built beforehand with `cargo test --no-run`, see
-# run-tests.sh), by their cargo target name first: `kvm_linux_guest=<exe> cri_microvm=<exe> ...`.
+# run-tests.sh), by their cargo target name first: `kvm_linux_guest=<exe> cri_microvm=<exe> ...`;
+# `name=<exe>@<dir>` runs a pod suite against the containerd in <dir> (MICROVM_TEST_CONTAINERD_BIN,
+# e.g. the 1.7 or 2.1 that scripts/install-containerd.sh unpacked) instead of the system's.
 # Every test binary runs even when one before it failed; the exit status is non-zero if any did.
 # The `test result:` lines are what run-tests.sh counts.
 set -uo pipefail
@@ -42,6 +44,10 @@ failed=0
 for arg in "$@"; do
   name=${arg%%=*}
   exe=${arg#*=}
+  containerd=()
+  case "$exe" in
+    *@*) containerd=(MICROVM_TEST_CONTAINERD_BIN="${exe#*@}"); exe=${exe%%@*} ;;
+  esac
   # Bounds: well above what each binary takes in the lane on a loaded host (10-30 s, 4-12 min,
   # 2.5-7 min), so that a hang costs minutes of CI, not its whole budget. (A frozen L1 is ended
   # sooner by run-in-l1.sh's freeze watch.)
@@ -63,7 +69,8 @@ for arg in "$@"; do
     cri_microvm|cri_microvm_net) limit=900; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
     *) limit=600; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
   esac
-  echo "== $name on the embedded vmm"
+  env+=("${containerd[@]}")
+  echo "== $name on the embedded vmm${containerd[*]:+ (${containerd[*]})}"
   run_bounded "$limit" env "${env[@]}" "$exe" "${args[@]}"
   status=$?
   if [ $status -eq 124 ]; then
