@@ -404,3 +404,61 @@ async fn hot_plugged_disks_fill_empty_slots_and_are_detached_on_removal() {
     remove_pod(&ctrd, &cri, &pod).await;
     assert_eq!(b.head(11), b"second-disk");
 }
+
+/// VFIO from kubelet's PodResources: the pod holds a PCI device (a device plugin's ID is its
+/// address), the shim cold-plugs it on the embedded VMM's PCI root, the container's
+/// `/dev/vfio/<group>` and `/dev/vfio/vfio` leave its spec (the device is the VM's), and the
+/// container sees the device's vendor:device in the guest's sysfs. Needs a device bound to
+/// vfio-pci: the nested lane with `--vfio` binds QEMU's edu and sets `MICROVM_TEST_VFIO_DEVICE`
+/// (scripts/lane/embedded-vmm-tests.sh); the QEMU backend has no VFIO.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the embedded VMM and a device bound to vfio-pci: the nested lane with --vfio"]
+async fn a_vfio_device_the_pod_holds_is_cold_plugged_and_seen_in_the_container() {
+    let _serial = SERIAL.lock().await;
+    let sysfs = PathBuf::from(std::env::var("MICROVM_TEST_VFIO_DEVICE").expect(
+        "MICROVM_TEST_VFIO_DEVICE (a vfio-pci device's sysfs path): the --vfio lane sets it",
+    ));
+    let want = std::env::var("MICROVM_TEST_VFIO_ID").unwrap_or_else(|_| "1234:11e8".into());
+    let (vendor, dev) = want
+        .split_once(':')
+        .expect("MICROVM_TEST_VFIO_ID is vendor:device");
+    let address = sysfs.file_name().unwrap().to_str().unwrap().to_string();
+    let group = std::fs::read_link(sysfs.join("iommu_group"))
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let cdi = dir.path().join("cdi");
+    std::fs::create_dir_all(&cdi).unwrap();
+    let server =
+        PodResourcesServer::start(&dir.path().join("kubelet.sock"), GetSupport::Get).unwrap();
+    server.add_pod(
+        NAMESPACE,
+        "dev-vfio",
+        &[("microvm.test/edu", &[address.as_str()])],
+    );
+    let config = write_device_config(dir.path(), server.socket(), &cdi);
+    let (ctrd, cri) = start_ctrd(&config).await;
+    let pod = run_pod(&ctrd, &cri, "dev-vfio").await;
+
+    let group_node = format!("/dev/vfio/{group}");
+    let config = with_devices(
+        "edu",
+        "for d in /sys/bus/pci/devices/*; do echo \"$(cat $d/vendor):$(cat $d/device)\"; done",
+        vec![
+            device(&group_node, &group_node, "rwm"),
+            device("/dev/vfio/vfio", "/dev/vfio/vfio", "rwm"),
+        ],
+    );
+    let exited = run_container_to_exit(&ctrd, &cri, &pod, config, EXIT_TIMEOUT).await;
+    let seen = exited.stdout().join("\n");
+    assert!(
+        seen.contains(&format!("0x{vendor}:0x{dev}")),
+        "the container does not see {want} ({address}, group {group}); its PCI devices:\n{seen}"
+    );
+    cri.remove_container(&exited.id).await.unwrap();
+    remove_pod(&ctrd, &cri, &pod).await;
+}
