@@ -16,15 +16,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use agent_protocol::stdio::valid_id;
-use libcontainer::container::builder::ContainerBuilder;
 use libcontainer::container::Container;
-use libcontainer::syscall::syscall::SyscallType;
-use libcontainer::workload::default::DefaultExecutor;
-use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
-use oci_spec::runtime::{
-    LinuxCapabilities, LinuxNamespaceType, LinuxResources, LinuxSeccomp, Process, Spec,
-};
+use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, LinuxSeccomp, Process, Spec};
 
+use crate::build_process::{self, BuildKind, BuildRequest};
+use crate::executor::ExecSeccomp;
 use crate::pod_namespace::POD_PID_NAMESPACE;
 use crate::reaper::{self, ExitCell};
 use crate::stdio::{StreamLookup, Streams};
@@ -73,17 +69,11 @@ pub enum ContainerError {
         what: &'static str,
         source: libcontainer::error::LibcontainerError,
     },
-    /// A failed build of a container or exec: libcontainer's error chain, then what it logged
-    /// as errors in the process it cloned (the cause, with the value at fault).
-    #[error(
-        "{what}: {}{}",
-        crate::runtime_log::error_chain(.source),
-        crate::runtime_log::describe(.events)
-    )]
+    /// A failed build of a container or exec (in the build process, see [`crate::build_process`]).
+    #[error("{what}: {source}")]
     Build {
         what: &'static str,
-        source: Box<libcontainer::error::LibcontainerError>,
-        events: Vec<String>,
+        source: crate::build_process::BuildError,
     },
     #[error("updating cgroup: {0}")]
     Cgroup(String),
@@ -175,97 +165,6 @@ impl ContainerError {
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ContainerError {
     let what = what.into();
     move |source| ContainerError::Io { what, source }
-}
-
-/// What libcontainer runs in the container's process right before the user program: undoes the
-/// agent's own signal state (SIGCHLD blocked for the reaper, SIGPIPE ignored by Rust's runtime),
-/// which a clone inherits, then (execs only, see [`ExecSeccomp`]) loads the container's seccomp
-/// filter, then execs like libcontainer's default.
-#[derive(Clone, Default)]
-struct AgentExecutor {
-    seccomp: Option<ExecSeccomp>,
-}
-
-/// The container's seccomp filter for an exec. libcontainer 0.7's tenant builder rebuilds the
-/// spec's `linux` section for an exec and leaves `seccomp` out, so the exec would run without the
-/// filter the container's init runs under. The agent loads it in the exec's process itself, in
-/// runc's order (runc's setns_init_linux.go): with `noNewPrivileges` right before exec, after the
-/// capabilities were dropped; without it loading needs CAP_SYS_ADMIN, so libcontainer is given
-/// the process without `capabilities` (it then keeps the agent's, across the user switch too),
-/// and after loading the filter the executor drops them to the process's, as libcontainer would
-/// have.
-#[derive(Clone)]
-struct ExecSeccomp {
-    filter: LinuxSeccomp,
-    /// The capabilities to drop to after loading the filter (without `noNewPrivileges`).
-    then_capabilities: Option<LinuxCapabilities>,
-}
-
-impl ExecSeccomp {
-    /// Splits an exec's process for libcontainer and the executor: the process to give the
-    /// tenant builder and what the executor must do. No filter: nothing to do.
-    fn plan(
-        container_filter: Option<&LinuxSeccomp>,
-        mut process: Process,
-    ) -> Result<(Process, Option<Self>), ContainerError> {
-        let Some(filter) = container_filter else {
-            return Ok((process, None));
-        };
-        if libcontainer::seccomp::is_notify(filter) {
-            return Err(ContainerError::Spec(
-                "the container's seccomp profile uses SCMP_ACT_NOTIFY, which execs do not support"
-                    .into(),
-            ));
-        }
-        let then_capabilities = if process.no_new_privileges() == Some(true) {
-            None
-        } else {
-            let caps = process.capabilities().clone();
-            process.set_capabilities(None);
-            caps
-        };
-        Ok((
-            process,
-            Some(Self {
-                filter: filter.clone(),
-                then_capabilities,
-            }),
-        ))
-    }
-
-    fn apply(&self) -> Result<(), ExecutorError> {
-        libcontainer::seccomp::initialize_seccomp(&self.filter).map_err(|e| {
-            ExecutorError::Other(format!("loading the container's seccomp filter: {e}"))
-        })?;
-        if let Some(caps) = &self.then_capabilities {
-            let syscall = libcontainer::syscall::syscall::create_syscall();
-            libcontainer::capabilities::drop_privileges(caps, syscall.as_ref()).map_err(|e| {
-                ExecutorError::Other(format!("dropping the exec's capabilities: {e}"))
-            })?;
-        }
-        Ok(())
-    }
-}
-
-impl Executor for AgentExecutor {
-    fn exec(&self, spec: &Spec) -> Result<(), ExecutorError> {
-        // SAFETY: resetting the mask and SIGPIPE's disposition in the single-threaded child
-        // just before exec; the set is initialised by sigemptyset.
-        unsafe {
-            let mut empty = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
-            libc::sigemptyset(empty.as_mut_ptr());
-            libc::sigprocmask(libc::SIG_SETMASK, empty.as_ptr(), std::ptr::null_mut());
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        }
-        if let Some(seccomp) = &self.seccomp {
-            seccomp.apply()?;
-        }
-        DefaultExecutor {}.exec(spec)
-    }
-
-    fn validate(&self, spec: &Spec) -> Result<(), ExecutorValidationError> {
-        DefaultExecutor {}.validate(spec)
-    }
 }
 
 /// Which stdio streams the host will attach.
@@ -570,37 +469,16 @@ impl Containers {
         std::fs::create_dir_all(&self.state_root).map_err(io_err("creating the state root"))?;
         let result = self.create_in(id, &bundle, &spec, stdio);
         if result.is_err() {
+            // A build cut off (or created but not loadable) may have left an init waiting for
+            // Start: libcontainer's forced delete kills it and removes its cgroup.
+            if let Ok(mut partial) = Container::load(self.state_root.join(id)) {
+                let _ = partial.delete(true);
+            }
             let _ = std::fs::remove_dir_all(&bundle);
             let _ = std::fs::remove_dir_all(self.state_root.join(id));
             let _ = std::fs::remove_dir(cgroup_dir(id));
         }
         result
-    }
-
-    /// libcontainer's builder for a process of container `id`: our state root and executor, the
-    /// console socket of a terminal process, the stdio pipes of another.
-    fn builder(
-        &self,
-        id: &str,
-        console: Option<&Path>,
-        child: Option<crate::stdio::ChildStdio>,
-        executor: AgentExecutor,
-    ) -> Result<ContainerBuilder, ContainerError> {
-        let builder = ContainerBuilder::new(id.to_owned(), SyscallType::default())
-            .with_root_path(&self.state_root)
-            .map_err(|source| ContainerError::Runtime {
-                what: "state root",
-                source,
-            })?
-            .with_executor(executor)
-            .with_console_socket(console);
-        Ok(match child {
-            Some(child) => builder
-                .with_stdin(child.stdin)
-                .with_stdout(child.stdout)
-                .with_stderr(child.stderr),
-            None => builder,
-        })
     }
 
     fn create_in(
@@ -618,26 +496,31 @@ impl Containers {
         let ((container, pid), master) = with_console(
             bundle,
             |console| {
-                let builder = self.builder(id, console, child, AgentExecutor::default())?;
+                let request = BuildRequest {
+                    id: id.to_owned(),
+                    state_root: self.state_root.clone(),
+                    console_socket: console.map(Path::to_owned),
+                    stdio: child.is_some(),
+                    kind: BuildKind::Init {
+                        bundle: bundle.to_owned(),
+                    },
+                };
                 let mut table = reaper::processes();
                 log::debug!("container {id}: building from {}", bundle.display());
-                let (built, events) = crate::runtime_log::capture(|| {
-                    builder
-                        .as_init(bundle)
-                        .with_systemd(false)
-                        .with_detach(true)
-                        .build()
-                });
-                let container = built.map_err(|source| ContainerError::Build {
-                    what: "creating the container",
-                    source: Box::new(source),
-                    events,
+                let pid = build_process::build(&request, child).map_err(|source| {
+                    ContainerError::Build {
+                        what: "creating the container",
+                        source,
+                    }
                 })?;
-                let pid = container
-                    .pid()
-                    .ok_or_else(|| ContainerError::Spec("no init pid after create".into()))?
-                    .as_raw();
                 table.insert(pid, exit.clone());
+                drop(table);
+                let container = Container::load(self.state_root.join(id)).map_err(|source| {
+                    ContainerError::Runtime {
+                        what: "loading the created container's state",
+                        source,
+                    }
+                })?;
                 log::info!("container {id}: created, init pid {pid}");
                 Ok((container, pid))
             },
@@ -746,22 +629,23 @@ impl Containers {
         let result = with_console(
             &entry.bundle,
             |console| {
-                let builder = self.builder(id, console, child, AgentExecutor { seccomp })?;
+                let request = BuildRequest {
+                    id: id.to_owned(),
+                    state_root: self.state_root.clone(),
+                    console_socket: console.map(Path::to_owned),
+                    stdio: child.is_some(),
+                    kind: BuildKind::Exec {
+                        process: process_path.clone(),
+                        seccomp: seccomp.map(Box::new),
+                    },
+                };
                 let mut table = reaper::processes();
-                let (built, events) = crate::runtime_log::capture(|| {
-                    builder
-                        .as_tenant()
-                        .with_process(Some(&process_path))
-                        .with_detach(true)
-                        .build()
-                });
-                let pid = built
-                    .map_err(|source| ContainerError::Build {
+                let pid = build_process::build(&request, child).map_err(|source| {
+                    ContainerError::Build {
                         what: "starting the exec process",
-                        source: Box::new(source),
-                        events,
-                    })?
-                    .as_raw();
+                        source,
+                    }
+                })?;
                 table.insert(pid, proc.exit.clone());
                 *proc.pid.lock().unwrap_or_else(|e| e.into_inner()) = Some(pid);
                 Ok(pid)
@@ -1042,64 +926,6 @@ fn guest_stats_from(cpu: &str, meminfo: &str, vmstat: &str, processes: u64) -> S
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn process(json: &str) -> Process {
-        serde_json::from_str(json).expect("process JSON")
-    }
-
-    fn filter(action: &str) -> LinuxSeccomp {
-        serde_json::from_str(&format!(
-            r#"{{"defaultAction":"SCMP_ACT_ERRNO","syscalls":[{{"names":["read"],"action":"{action}"}}]}}"#
-        ))
-        .expect("seccomp JSON")
-    }
-
-    const CAPS: &str = r#""capabilities":{"bounding":["CAP_CHOWN"],"effective":["CAP_CHOWN"],"permitted":["CAP_CHOWN"]}"#;
-
-    #[test]
-    fn an_exec_of_a_container_without_seccomp_is_left_to_libcontainer() {
-        let p = process(&format!(
-            r#"{{"cwd":"/","args":["sh"],"user":{{"uid":0,"gid":0}},{CAPS}}}"#
-        ));
-        let (out, seccomp) = ExecSeccomp::plan(None, p.clone()).expect("plan");
-        assert_eq!(out, p);
-        assert!(seccomp.is_none());
-    }
-
-    #[test]
-    fn with_no_new_privs_the_filter_is_loaded_last_and_caps_stay_with_libcontainer() {
-        let p = process(&format!(
-            r#"{{"cwd":"/","args":["sh"],"user":{{"uid":0,"gid":0}},"noNewPrivileges":true,{CAPS}}}"#
-        ));
-        let (out, seccomp) =
-            ExecSeccomp::plan(Some(&filter("SCMP_ACT_ALLOW")), p.clone()).expect("plan");
-        assert_eq!(out, p);
-        let seccomp = seccomp.expect("a filter to load");
-        assert_eq!(seccomp.filter, filter("SCMP_ACT_ALLOW"));
-        assert!(seccomp.then_capabilities.is_none());
-    }
-
-    #[test]
-    fn without_no_new_privs_the_caps_are_dropped_after_the_filter_is_loaded() {
-        let p = process(&format!(
-            r#"{{"cwd":"/","args":["sh"],"user":{{"uid":0,"gid":0}},{CAPS}}}"#
-        ));
-        let (out, seccomp) =
-            ExecSeccomp::plan(Some(&filter("SCMP_ACT_ALLOW")), p.clone()).expect("plan");
-        assert!(out.capabilities().is_none(), "{out:?}");
-        assert_eq!(out.args(), p.args());
-        let seccomp = seccomp.expect("a filter to load");
-        assert_eq!(&seccomp.then_capabilities, p.capabilities());
-    }
-
-    #[test]
-    fn a_notify_profile_is_refused_for_execs() {
-        let p = process(r#"{"cwd":"/","args":["sh"],"user":{"uid":0,"gid":0}}"#);
-        let err = ExecSeccomp::plan(Some(&filter("SCMP_ACT_NOTIFY")), p)
-            .err()
-            .expect("refused");
-        assert!(err.to_string().contains("SCMP_ACT_NOTIFY"), "{err}");
-    }
 
     #[test]
     fn a_missing_working_directory_is_made_inside_the_rootfs_only() {

@@ -8,8 +8,10 @@
 //! `--listen unix:///path` or the default vsock address, and exits 0 after a Shutdown.
 
 mod blockdev;
+mod build_process;
 mod check;
 mod containers;
+mod executor;
 mod init;
 mod logger;
 mod network;
@@ -117,6 +119,9 @@ fn run(pid1: bool) -> anyhow::Result<()> {
 fn main() {
     logger::init();
     runtime_log::install();
+    if std::env::args().nth(1).as_deref() == Some(build_process::ARG) {
+        build_process::main();
+    }
     let pid1 = init::is_pid1();
     if pid1 {
         std::panic::set_hook(Box::new(|info| log::error!("panic: {info}")));

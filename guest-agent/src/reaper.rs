@@ -5,9 +5,10 @@
 //!
 //! The exit status of a process the agent started (container init, exec) goes to its
 //! [`ExitCell`], registered in [`PROCESSES`]. Whoever starts such a process holds the
-//! [`PROCESSES`] lock from before the fork until the pid is registered; the reaper holds the same
-//! lock while it reaps, so an exit can never be collected before its cell is known, and
-//! libcontainer's own `waitpid` of its intermediate process is not raced either.
+//! [`PROCESSES`] lock from before the build process starts ([`crate::build_process`]) until the
+//! new pid is registered; the reaper holds the same lock while it reaps, so an exit can never be
+//! collected before its cell is known (a quick exec may end before the build process has
+//! answered: it is then re-parented to the agent as a zombie and waits for the lock).
 //!
 //! Outside PID 1 (tests) the agent makes itself a child subreaper, so the same holds.
 

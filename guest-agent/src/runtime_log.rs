@@ -1,13 +1,14 @@
 //! libcontainer's own account of a failure, and error chains in full.
 //!
-//! A container's init (and an exec's process) is a clone of the agent. When it fails, it reports
-//! to the agent only its error's outer message (`failed to prepare rootfs`, `failed to unix
-//! syscall`): the cause, with the value at fault (the mount, the errno), libcontainer logs with
-//! `tracing` in the clone just before. The agent installs a `tracing` subscriber that, while a
-//! container or exec is being built ([`capture`]), writes libcontainer's error events to a pipe
-//! the agent reads afterwards. The clone inherits the subscriber, the thread-local naming the
-//! pipe (a clone copies the calling thread) and the pipe itself (until it execs: close-on-exec).
-//! Outside a capture, and on every other thread, events go nowhere.
+//! A container's init (and an exec's process) is a clone of the build process
+//! ([`crate::build_process`]). When it fails, it reports to libcontainer only its error's outer
+//! message (`failed to prepare rootfs`, `failed to unix syscall`): the cause, with the value at
+//! fault (the mount, the errno), libcontainer logs with `tracing` in the clone just before. The
+//! build process installs a `tracing` subscriber that, while the container or exec is being built
+//! ([`capture`]), writes libcontainer's error events to a pipe it reads afterwards and sends to the
+//! agent with the error. The clone inherits the subscriber, the thread-local naming the pipe (a
+//! clone copies the calling thread) and the pipe itself (until it execs: close-on-exec). Outside
+//! a capture, and on every other thread, events go nowhere.
 
 use std::cell::Cell;
 use std::fmt::{self, Write as _};

@@ -15,6 +15,10 @@ use super::{connection, is_timeout, AgentError};
 
 /// Timeout of one RPC unless [`AgentClient::set_call_timeout`] changes it.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Timeout of CreateContainer and StartExec: the agent bounds its libcontainer build at 20 s
+/// (guest-agent/src/build_process.rs `BUILD_TIMEOUT`) and says why it gave up; this leaves room
+/// for that answer and the rest of the call.
+pub const BUILD_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Slack on top of a call's own deadline before the helper gives up on ttrpc itself.
 const CALL_SLACK: Duration = Duration::from_secs(1);
 
@@ -139,7 +143,8 @@ impl AgentClient {
         &self,
         req: pb::CreateContainerRequest,
     ) -> Result<u32, AgentError> {
-        self.unary("CreateContainer", |rpc, ctx| async move {
+        let timeout = self.call_timeout.max(BUILD_CALL_TIMEOUT);
+        self.call("CreateContainer", timeout, |rpc, ctx| async move {
             rpc.create_container(ctx, &req).await
         })
         .await
@@ -172,7 +177,8 @@ impl AgentClient {
             exec_id: exec_id.to_owned(),
             ..Default::default()
         };
-        self.unary("StartExec", |rpc, ctx| async move {
+        let timeout = self.call_timeout.max(BUILD_CALL_TIMEOUT);
+        self.call("StartExec", timeout, |rpc, ctx| async move {
             rpc.start_exec(ctx, &req).await
         })
         .await
