@@ -1,8 +1,10 @@
 //! VFIO passthrough on the EMBEDDED VMM: a host PCI device bound to vfio-pci is given to a guest
 //! on the VMM's PCI root. Our Linux guest enumerates it with its real vendor:device id and the
-//! BAR the VMM placed; the `pci-edu` test guest (tests/guests/pci-edu.c) then drives the edu
-//! device itself through its BAR (identification and liveness registers), moves the BAR and
-//! turns decoding off, each checked against the device's answers.
+//! BAR the VMM placed, and routes its INTx pin to the IOAPIC pin the MP table names; the
+//! `pci-edu` test guest (tests/guests/pci-edu.c) then drives the edu device itself through its
+//! BAR (identification and liveness registers), moves the BAR, takes the device's INTx
+//! interrupts (raised through edu's interrupt register, acked, EOI'd, raised again, held back by
+//! Interrupt Disable) and turns decoding off, each checked against the device's answers.
 //!
 //! This needs a host whose KVM boots our guest AND a device bound to vfio-pci behind an IOMMU.
 //! `make test` runs it in the nested lane started with `--vfio` (docs/vfio.md): L1 has QEMU's
@@ -83,8 +85,10 @@ fn guest_sees_the_passed_through_pci_device() {
     cfg.initrd = Some(initrd);
     cfg.vcpus = 1;
     cfg.memory_mib = 256;
-    // No `quiet`: the PCI core's enumeration lines are KERN_INFO.
-    cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
+    // No `quiet`: the PCI core's enumeration lines are KERN_INFO. `apic=verbose` prints the MP
+    // table's interrupt entries as the kernel parsed them; `pci=routeirq` makes the kernel route
+    // every device's INTx at boot (as a driver's pci_enable_device would) and print the result.
+    cfg.cmdline = "console=ttyS0 reboot=k panic=-1 apic=verbose pci=routeirq".into();
     cfg.serial = vmm::SerialSink::Writer(Box::new(console.clone()));
     cfg.vfio = vec![vmm::VfioConfig {
         sysfs_path: sysfs.clone(),
@@ -99,10 +103,28 @@ fn guest_sees_the_passed_through_pci_device() {
         "pci 0000:00:01.0: BAR 0 [mem {:#010x}-",
         vmm::layout::PCI_MMIO_START
     );
+    // INTx: edu has INTA; the VM has no virtio devices, so its IOAPIC pin is the first one the
+    // layout hands to PCI (23). The MP table entry: PCI bus 0, source IRQ slot 1 << 2 | INTA,
+    // active low (pol 3), level (trig 3), to the IOAPIC (APIC id = the vCPU count, 1).
+    let gsi = vmm::layout::pci_intx_gsis(0)
+        .next()
+        .expect("an IOAPIC pin for PCI");
+    let intx = (id == "1234:11e8").then(|| {
+        (
+            format!("pci 0000:00:01.0: PCI->APIC IRQ transform: INT A -> IRQ {gsi}"),
+            format!("Int: type 0, pol 3, trig 3, bus 00, IRQ 04, APIC ID 1, APIC INT {gsi:02x}"),
+        )
+    });
     let deadline = Instant::now() + Duration::from_secs(90);
     let found = loop {
         let text = console.text();
-        if text.contains(&seen) && text.contains(bridge) && text.contains(&bar0) {
+        if text.contains(&seen)
+            && text.contains(bridge)
+            && text.contains(&bar0)
+            && intx
+                .as_ref()
+                .is_none_or(|(routed, mp)| text.contains(routed) && text.contains(mp))
+        {
             break Some(text);
         }
         if Instant::now() > deadline || vm.wait_timeout(Duration::from_millis(200)).is_some() {
@@ -113,7 +135,7 @@ fn guest_sees_the_passed_through_pci_device() {
     let _ = vm.wait_timeout(Duration::from_secs(30));
     let text = found.unwrap_or_else(|| {
         panic!(
-            "the guest did not print {seen:?}, {bridge:?} and {bar0:?} within 90 s; console:\n{}",
+            "the guest did not print {seen:?}, {bridge:?}, {bar0:?} and (edu) {intx:?} within 90 s; console:\n{}",
             console.text()
         )
     });
@@ -122,6 +144,10 @@ fn guest_sees_the_passed_through_pci_device() {
         .filter(|l| l.contains("pci 0000:00:"))
         .collect();
     println!("the guest's PCI lines:\n{}", pci_lines.join("\n"));
+    match &intx {
+        Some((routed, mp)) => println!("INTx: the kernel parsed {mp:?} and printed {routed:?}"),
+        None => println!("INTx not checked: {id} is not QEMU's edu device"),
+    }
     assert!(
         pci_lines.iter().any(|l| l.contains(&bar0)),
         "the guest did not see BAR 0 at the VMM's placement ({bar0:?}); PCI lines:\n{}",

@@ -78,6 +78,11 @@ impl DeviceManager {
         Ok(ours)
     }
 
+    /// How many virtio-mmio devices hold GSIs (5, 6, ...) so far.
+    pub(crate) fn virtio_device_count(&self) -> u32 {
+        self.virtio_devices
+    }
+
     /// Adds a subscriber to the device event loop.
     pub fn add_subscriber(&mut self, s: Subscriber) {
         self.events.add_subscriber(s);

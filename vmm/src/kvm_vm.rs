@@ -72,6 +72,17 @@ impl KvmVm {
             .map_err(VmmError::kvm("KVM_IRQFD"))
     }
 
+    /// Routes writes of `evt` to interrupt line `gsi` as a level-triggered interrupt: the line
+    /// stays asserted until the guest EOIs it, then KVM lowers it and signals `resample`.
+    pub fn register_irqfd_with_resample(
+        &self,
+        evt: &EventFd,
+        resample: &EventFd,
+        gsi: u32,
+    ) -> Result<(), kvm_ioctls::Error> {
+        self.fd.register_irqfd_with_resample(evt, resample, gsi)
+    }
+
     /// Signals `evt` (without a vCPU exit) when the guest writes to MMIO address `addr`.
     pub fn register_mmio_ioeventfd(&self, evt: &EventFd, addr: u64) -> Result<(), VmmError> {
         self.fd

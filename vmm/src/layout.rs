@@ -42,6 +42,10 @@ pub const PCI_IO_START: u64 = 0xc000;
 pub const PCI_IO_END: u64 = 0x1_0000;
 /// KVM memory slots for mmap-able BARs start here (guest RAM takes slots 0 and 1).
 pub const PCI_BAR_FIRST_SLOT: u32 = 16;
+/// PCI INTx (passed-through devices' pin interrupts): one IOAPIC pin each, taken from the top
+/// (23, 22, ...) down, so the first eight are above the ISA IRQs (no PIC input) and they never
+/// meet the virtio-mmio GSIs, which count up from 5. Level-triggered, active low (MP table).
+pub const PCI_INTX_LAST_GSI: u32 = IOAPIC_PINS as u32 - 1;
 /// The IOAPIC and the local APICs.
 pub const IOAPIC_START: u64 = 0xfec0_0000;
 pub const APIC_START: u64 = 0xfee0_0000;
@@ -58,8 +62,46 @@ pub const MAX_MEMORY_MIB: u64 = 64 * 1024;
 /// The most vCPUs: APIC ids 0..=253, the IOAPIC takes the next id and 0xff is broadcast.
 pub const MAX_VCPUS: u8 = 254;
 
+/// The IOAPIC pins free for PCI INTx once `virtio_devices` virtio-mmio devices hold GSIs
+/// 5, 6, ...: from 23 down to the first pin above the last virtio-mmio GSI (empty when they fill
+/// the IOAPIC).
+pub fn pci_intx_gsis(virtio_devices: u32) -> impl Iterator<Item = u32> {
+    let lowest = VIRTIO_MMIO_FIRST_GSI.saturating_add(virtio_devices);
+    (lowest..=PCI_INTX_LAST_GSI).rev()
+}
+
 // The PCI window sits in the MMIO gap, clear of the virtio-mmio slots and of the APICs.
 const _: () =
     assert!(VIRTIO_MMIO_BASE + VIRTIO_MMIO_SIZE * VIRTIO_MMIO_MAX_DEVICES as u64 <= PCI_MMIO_START);
 const _: () = assert!(PCI_MMIO_START >= MMIO_GAP_START && PCI_MMIO_END <= IOAPIC_START);
 const _: () = assert!(SERIAL_PORT + 8 <= PCI_IO_START);
+const _: () = assert!(
+    VIRTIO_MMIO_FIRST_GSI + VIRTIO_MMIO_MAX_DEVICES - 1 == PCI_INTX_LAST_GSI
+        && SERIAL_GSI < VIRTIO_MMIO_FIRST_GSI
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pci_intx_gsis_come_from_the_top_and_never_meet_virtio_or_serial() {
+        assert_eq!(pci_intx_gsis(0).take(3).collect::<Vec<_>>(), [23, 22, 21]);
+        assert_eq!(pci_intx_gsis(0).count(), 19);
+        for virtio in 0..=VIRTIO_MMIO_MAX_DEVICES + 2 {
+            let virtio_gsis = VIRTIO_MMIO_FIRST_GSI..VIRTIO_MMIO_FIRST_GSI + virtio;
+            for gsi in pci_intx_gsis(virtio) {
+                assert!(
+                    !virtio_gsis.contains(&gsi),
+                    "{gsi} with {virtio} virtio devices"
+                );
+                assert!(gsi != SERIAL_GSI && gsi < u32::from(IOAPIC_PINS));
+            }
+            assert_eq!(
+                pci_intx_gsis(virtio).count() as u32,
+                VIRTIO_MMIO_MAX_DEVICES.saturating_sub(virtio)
+            );
+        }
+        assert_eq!(pci_intx_gsis(u32::MAX).count(), 0);
+    }
+}

@@ -6,13 +6,19 @@
 //! - configuration space is the device's own (read and written through VFIO's config region,
 //!   which vfio-pci itself filters), except the BARs, which are emulated: the VMM places them in
 //!   the PCI window and the guest may size and move them; the expansion ROM (not offered), the
-//!   capability list (hidden: no MSI/MSI-X yet) and the interrupt pin (none: INTx is not wired);
+//!   capability list (hidden: no MSI/MSI-X yet) and the interrupt line/pin (the GSI the VMM
+//!   routed the device's INTx pin to, and that pin);
 //! - a BAR region that VFIO lets us mmap is mapped into the guest as a KVM memory slot while the
 //!   guest has memory decoding on and the BAR lies in the PCI window (guest accesses then never
 //!   leave the CPU); every other BAR (I/O, or not mmap-able) is trapped and forwarded with
 //!   pread/pwrite on the device fd.
 //!
-//! Interrupts are not delivered yet (see docs/vfio.md).
+//! - INTx (the legacy pin interrupt): VFIO signals an eventfd that is a KVM irqfd on the
+//!   device's IOAPIC pin, with a resample eventfd that KVM signals when the guest EOIs the
+//!   level-triggered interrupt and that VFIO takes as its unmask: the whole assert / mask / EOI /
+//!   unmask cycle stays in the kernels, no VMM thread sees it. The guest learns the pin from the
+//!   MP table (crate::mptable) and from the Interrupt Line register. MSI and MSI-X are not
+//!   offered yet (see docs/vfio.md).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -22,11 +28,14 @@ use kvm_bindings::{
     kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_userspace_memory_region,
 };
 use vfio_bindings::bindings::vfio::{
-    VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_REGION_INFO_FLAG_MMAP,
-    VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+    VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_INTX_IRQ_INDEX,
+    VFIO_REGION_INFO_FLAG_MMAP, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioDeviceFd, VfioRegionInfoCap};
-use vmm_devices::pci::{merge_dword, regs, Bar, BarKind, BarRegs, BarSpace, PciDevice, BAR_COUNT};
+use vmm_devices::pci::{
+    merge_dword, regs, Bar, BarKind, BarRegs, BarSpace, InterruptRegs, PciDevice, BAR_COUNT,
+};
+use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::ioctl::ioctl_with_ref;
 use vmm_sys_util::ioctl_iow_nr;
 
@@ -81,6 +90,28 @@ pub enum VfioError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{}: INTx pin {pin}: no IOAPIC pin is left (virtio-mmio devices and PCI INTx share GSIs 5-23)", path.display())]
+    NoFreeGsi { path: PathBuf, pin: u8 },
+    #[error("{}: INTx eventfd: {source}", path.display())]
+    IntxEventFd {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: INTx on GSI {gsi}: KVM irqfd with resample: {source}", path.display())]
+    IntxIrqfd {
+        path: PathBuf,
+        gsi: u32,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("{}: INTx: {step}: {source}", path.display())]
+    IntxVfio {
+        path: PathBuf,
+        step: &'static str,
+        #[source]
+        source: vfio_ioctls::VfioError,
+    },
 }
 
 /// One VFIO container for the VM: every passed-through group shares its IOMMU mappings (all of
@@ -93,12 +124,19 @@ pub struct VfioContext {
     next_slot: u32,
     mmio_next: u64,
     io_next: u64,
+    /// IOAPIC pins still free for INTx, next first.
+    intx_gsis: std::vec::IntoIter<u32>,
 }
 
 impl VfioContext {
     /// Creates KVM's VFIO pseudo-device (so KVM knows DMA is coherent for the groups) and the
-    /// container.
-    pub fn new(vm: &KvmVm, first_slot: u32) -> Result<Self, VfioError> {
+    /// container. BAR memory slots are numbered from `first_slot`; devices with an INTx pin take
+    /// their IOAPIC pins from `intx_gsis`, in order (crate::layout::pci_intx_gsis).
+    pub fn new(
+        vm: &KvmVm,
+        first_slot: u32,
+        intx_gsis: impl IntoIterator<Item = u32>,
+    ) -> Result<Self, VfioError> {
         let mut dev = kvm_create_device {
             type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
             fd: 0,
@@ -125,15 +163,18 @@ impl VfioContext {
             next_slot: first_slot,
             mmio_next: PCI_MMIO_START,
             io_next: PCI_IO_START,
+            intx_gsis: intx_gsis.into_iter().collect::<Vec<_>>().into_iter(),
         })
     }
 
     /// Opens the device at `sysfs_path` (e.g. /sys/bus/pci/devices/0000:00:04.0), DMA-maps guest
-    /// memory on the first device, and places its BARs.
+    /// memory on the first device, places its BARs and routes its INTx pin (if it has one) to
+    /// the next free IOAPIC pin of `vm`.
     pub fn open_device(
         &mut self,
         sysfs_path: &Path,
         mem: &GuestMemory,
+        vm: &KvmVm,
     ) -> Result<VfioPciDevice, VfioError> {
         let path = sysfs_path.to_path_buf();
         let device = VfioDevice::new(sysfs_path, self.container.clone()).map_err(|source| {
@@ -161,11 +202,27 @@ impl VfioContext {
             maps: Default::default(),
             vm_fd: self.vm_fd.clone(),
             command: 0,
+            intx: None,
+            interrupt: InterruptRegs::none(),
         };
         self.place_bars(&mut dev)?;
         // The guest starts from the device's own decode bits (vfio-pci usually leaves them off).
         dev.command = dev.read_device_config(regs::COMMAND / 4) as u16;
         dev.update_slots();
+        if let Some(pin) = dev.intx_pin() {
+            let gsi = self.intx_gsis.next().ok_or_else(|| VfioError::NoFreeGsi {
+                path: path.clone(),
+                pin,
+            })?;
+            // intx_pin() gave 1..=4 and IOAPIC pins are below 24: this is Some.
+            dev.interrupt = InterruptRegs::routed(pin, gsi).unwrap_or_else(InterruptRegs::none);
+            dev.intx = Some(Intx::route(&dev.device, &path, vm, pin, gsi)?);
+            log::debug!(
+                "vfio {}: INT{} on IOAPIC pin {gsi}",
+                path.display(),
+                char::from(b'A' + pin - 1)
+            );
+        }
         Ok(dev)
     }
 
@@ -272,6 +329,67 @@ impl VfioContext {
     }
 }
 
+/// A device's INTx pin routed to an IOAPIC pin: VFIO signals `trigger` when the device asserts
+/// it (and masks it), KVM's irqfd turns that into the level-triggered GSI; when the guest EOIs
+/// it KVM lowers the line and signals `resample`, which VFIO takes as the unmask.
+struct Intx {
+    /// 1 = INTA# .. 4 = INTD#.
+    pin: u8,
+    gsi: u32,
+    // Kept open for the VM's life: the kernels hold their own references, these make the
+    // routing visible here and close after the device (fields of VfioPciDevice drop in order).
+    _trigger: EventFd,
+    _resample: EventFd,
+}
+
+impl Intx {
+    fn route(
+        device: &VfioDevice,
+        path: &Path,
+        vm: &KvmVm,
+        pin: u8,
+        gsi: u32,
+    ) -> Result<Self, VfioError> {
+        let evt = || {
+            EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|source| {
+                VfioError::IntxEventFd {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            })
+        };
+        let trigger = evt()?;
+        let resample = evt()?;
+        let vfio_err = |step| {
+            move |source| VfioError::IntxVfio {
+                path: path.to_path_buf(),
+                step,
+                source,
+            }
+        };
+        // KVM first, so that an interrupt VFIO signals at once is not lost (the irqfd would pick
+        // up a pending count anyway, as VFIO's unmask eventfd does).
+        vm.register_irqfd_with_resample(&trigger, &resample, gsi)
+            .map_err(|source| VfioError::IntxIrqfd {
+                path: path.to_path_buf(),
+                gsi,
+                source,
+            })?;
+        device
+            .enable_irq(VFIO_PCI_INTX_IRQ_INDEX, vec![&trigger])
+            .map_err(vfio_err("VFIO_DEVICE_SET_IRQS trigger eventfd"))?;
+        device
+            .set_irq_resample_fd(VFIO_PCI_INTX_IRQ_INDEX, vec![&resample])
+            .map_err(vfio_err("VFIO_DEVICE_SET_IRQS unmask eventfd"))?;
+        Ok(Self {
+            pin,
+            gsi,
+            _trigger: trigger,
+            _resample: resample,
+        })
+    }
+}
+
 fn page_size() -> u64 {
     // SAFETY: sysconf has no memory effects.
     let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
@@ -303,9 +421,28 @@ pub struct VfioPciDevice {
     vm_fd: Arc<OwnedFd>,
     /// The guest's command register (memory / I/O decode), as last written.
     command: u16,
+    /// The INTx routing, when the device has a pin.
+    intx: Option<Intx>,
+    /// Interrupt Line / Pin (0x3c): the GSI and pin of `intx`; the guest may overwrite the line
+    /// (scratch), which changes nothing in the routing.
+    interrupt: InterruptRegs,
 }
 
 impl VfioPciDevice {
+    /// The device's INTx pin (1..=4) when VFIO offers its INTx (one interrupt at the INTx index;
+    /// vfio-pci reports none when the pin is 0 or INTx is unusable) and the pin register names
+    /// one.
+    fn intx_pin(&self) -> Option<u8> {
+        let info = self.device.get_irq_info(VFIO_PCI_INTX_IRQ_INDEX)?;
+        let pin = pin_from_dword(self.read_device_config(regs::INTERRUPT_LINE / 4));
+        (info.count == 1 && (1..=4).contains(&pin)).then_some(pin)
+    }
+
+    /// Where the device's INTx goes: its pin (1 = INTA#) and the IOAPIC pin (GSI).
+    pub fn intx_route(&self) -> Option<(u8, u32)> {
+        self.intx.as_ref().map(|i| (i.pin, i.gsi))
+    }
+
     /// The device's own config dword `reg`.
     fn read_device_config(&self, reg: usize) -> u32 {
         let mut b = [0xffu8; 4];
@@ -407,8 +544,8 @@ impl PciDevice for VfioPciDevice {
                 v & !(u32::from(regs::STATUS_CAP_LIST) << 16)
             }
             regs::CAPABILITIES => 0,
-            // Interrupt line and pin: no INTx is wired, so pin 0 (none).
-            regs::INTERRUPT_LINE => self.read_device_config(reg) & 0xffff_0000,
+            // Interrupt line (scratch, initially the GSI) and pin (the routed pin, or none).
+            regs::INTERRUPT_LINE => self.interrupt.read(self.read_device_config(reg)),
             o if o < vmm_devices::pci::CONFIG_SPACE_SIZE => self.read_device_config(reg),
             _ => u32::MAX,
         }
@@ -430,7 +567,10 @@ impl PciDevice for VfioPciDevice {
                     self.update_slots();
                 }
             }
-            regs::ROM | regs::CAPABILITIES | regs::INTERRUPT_LINE => {}
+            // The guest may write the line byte (scratch); the pin, Min_Gnt and Max_Lat are
+            // read-only. Neither changes where INTx goes.
+            regs::INTERRUPT_LINE => self.interrupt.write(within, data),
+            regs::ROM | regs::CAPABILITIES => {}
             regs::COMMAND => {
                 self.device
                     .region_write(VFIO_PCI_CONFIG_REGION_INDEX, data, offset as u64);
@@ -463,4 +603,9 @@ impl PciDevice for VfioPciDevice {
             .region_write(VFIO_PCI_BAR0_REGION_INDEX + index as u32, data, offset);
         true
     }
+}
+
+/// The Interrupt Pin byte of the dword at 0x3c.
+fn pin_from_dword(value: u32) -> u8 {
+    (value >> 8) as u8
 }

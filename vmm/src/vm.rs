@@ -22,7 +22,7 @@ use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
 use crate::handle::{abort_start, new_running, Running, Shared, VmHandle};
 use crate::kvm_vm::KvmVm;
-use crate::layout::PCI_BAR_FIRST_SLOT;
+use crate::layout::{pci_intx_gsis, PCI_BAR_FIRST_SLOT};
 use crate::memory::create_guest_memory;
 use crate::regs::{write_page_tables, EntryMode};
 use crate::vcpu::{install_kick_handler, Vcpu};
@@ -103,15 +103,27 @@ impl Vm {
             blocks.push(dev);
         }
 
+        // With a PCI root: the INTx pins routed to IOAPIC pins, for the MP table.
+        let mut pci_irqs: Option<Vec<mptable::PciInterrupt>> = None;
         if !cfg.vfio.is_empty() {
-            let mut vfio = crate::vfio::VfioContext::new(&vm, PCI_BAR_FIRST_SLOT)?;
+            let intx_gsis = pci_intx_gsis(devices.virtio_device_count());
+            let mut vfio = crate::vfio::VfioContext::new(&vm, PCI_BAR_FIRST_SLOT, intx_gsis)?;
             let mut root = PciRoot::new();
+            let irqs = pci_irqs.insert(Vec::new());
             for v in &cfg.vfio {
-                let dev = vfio.open_device(&v.sysfs_path, &mem)?;
+                let dev = vfio.open_device(&v.sysfs_path, &mem, &vm)?;
+                let intx = dev.intx_route();
                 let slot = root
                     .add_device(Arc::new(Mutex::new(dev)))
                     .map_err(|e| VmmError::Device(e.to_string()))?;
                 log::debug!("vfio {}: PCI 00:{slot:02x}.0", v.sysfs_path.display());
+                if let Some((pin, gsi)) = intx {
+                    irqs.push(mptable::PciInterrupt {
+                        slot,
+                        pin,
+                        ioapic_pin: u8::try_from(gsi).unwrap_or(u8::MAX),
+                    });
+                }
             }
             devices.attach_pci(root)?;
         }
@@ -151,7 +163,21 @@ impl Vm {
             EntryMode::Pvh32 => boot::write_pvh_boot_info(&mem, mem_size, initrd),
         }
         .map_err(|e| VmmError::Memory(e.to_string()))?;
-        mptable::setup_mptable(&mem, cfg.vcpus).map_err(|e| VmmError::Memory(e.to_string()))?;
+        // Every virtio-mmio device is attached by now: none may share an INTx pin.
+        if let Some(irqs) = &pci_irqs {
+            let free: Vec<u32> = pci_intx_gsis(devices.virtio_device_count()).collect();
+            if let Some(p) = irqs
+                .iter()
+                .find(|p| !free.contains(&u32::from(p.ioapic_pin)))
+            {
+                return Err(VmmError::Device(format!(
+                    "PCI 00:{:02x}.0's INTx on IOAPIC pin {} clashes with a virtio-mmio device",
+                    p.slot, p.ioapic_pin
+                )));
+            }
+        }
+        mptable::setup_mptable(&mem, cfg.vcpus, pci_irqs.as_deref())
+            .map_err(|e| VmmError::Memory(e.to_string()))?;
         write_page_tables(&mem).map_err(|e| VmmError::Memory(e.to_string()))?;
 
         let cpuid = vm.supported_cpuid()?;

@@ -12,12 +12,14 @@
 mod bar;
 mod config_io;
 mod host_bridge;
+mod interrupt;
 
 use std::sync::{Arc, Mutex};
 
 pub use bar::{Bar, BarError, BarKind, BarRegs, BAR_COUNT};
 pub use config_io::{PciConfigIo, PCI_CONFIG_IO_BASE, PCI_CONFIG_IO_LEN};
 pub use host_bridge::HostBridge;
+pub use interrupt::{InterruptRegs, NO_INTERRUPT_LINE};
 
 use crate::bus::{lock, BusDevice};
 
