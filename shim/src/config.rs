@@ -29,6 +29,17 @@ pub enum Hypervisor {
     Qemu,
 }
 
+/// How the embedded VMM puts the kernel and initrd into guest RAM (`vmm::BootFiles`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum BootFiles {
+    /// Mapped from the files, copy-on-write: one copy in the host's page cache for all pods.
+    #[default]
+    Map,
+    /// Copied into each VM's memory.
+    Copy,
+}
+
 /// The shim's configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -39,6 +50,9 @@ pub struct Config {
     pub kernel: PathBuf,
     /// The initramfs with the agent as /init.
     pub initrd: PathBuf,
+    /// Embedded VMM: the kernel and initrd mapped into guest RAM from their files (`map`, the
+    /// default; replace the files by renaming, never in place) or copied (`copy`).
+    pub boot_files: BootFiles,
     /// vCPUs of a pod that sets no CPU limit.
     pub default_vcpus: u8,
     /// The most vCPUs a pod's VM gets, whatever its limit says.
@@ -142,6 +156,7 @@ impl Default for Config {
             hypervisor: Hypervisor::default(),
             kernel: PathBuf::from("/usr/share/microvm/vmlinux"),
             initrd: PathBuf::from("/usr/share/microvm/initrd.cpio"),
+            boot_files: BootFiles::default(),
             default_vcpus: 1,
             max_vcpus: 16,
             default_memory_mib: 256,
@@ -281,6 +296,18 @@ mod tests {
             assert_eq!(c.hypervisor, want, "{text}");
         }
         assert!(Config::parse("hypervisor = \"Auto\"\n").is_err());
+    }
+
+    #[test]
+    fn boot_files_are_mapped_unless_copy_is_named() {
+        assert_eq!(Config::default().boot_files, BootFiles::Map);
+        let c = Config::parse("boot_files = \"copy\"\n").unwrap();
+        assert_eq!(c.boot_files, BootFiles::Copy);
+        assert_eq!(
+            Config::parse("boot_files = \"map\"\n").unwrap().boot_files,
+            BootFiles::Map
+        );
+        assert!(Config::parse("boot_files = \"mmap\"\n").is_err());
     }
 
     #[test]

@@ -134,7 +134,8 @@ pub fn container_config(name: &str, image: &str, command: &[&str]) -> ContainerC
     }
 }
 
-/// The CRI runtime and image services of one containerd.
+/// The CRI runtime and image services of one containerd. Clones share the connection.
+#[derive(Clone)]
 pub struct CriClient {
     runtime: RuntimeServiceClient<Channel>,
     images: ImageServiceClient<Channel>,

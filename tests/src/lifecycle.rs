@@ -444,6 +444,12 @@ impl SmapsEntry {
     fn is_plain_anonymous(&self) -> bool {
         self.inode == 0 && self.name.is_empty()
     }
+
+    /// A boot file the embedded VMM mapped over part of guest RAM (`vmm::boot_files`): a
+    /// private writable file mapping with the VMM's no-dump flag.
+    fn is_guest_file_range(&self) -> bool {
+        self.inode != 0 && self.perms == "rw-p" && self.flags.iter().any(|f| f == "dd")
+    }
 }
 
 /// Parses the text of `/proc/<pid>/smaps`. Lines it does not know are skipped.
@@ -538,8 +544,13 @@ pub struct GuestRamSplit {
     pub guest_size: u64,
     /// Guest pages present in host memory (touched by the guest or the VMM's loader).
     pub guest_rss: u64,
-    /// Their proportional share (equal to the RSS unless pages are shared, e.g. after a fork).
+    /// Their proportional share (equal to the RSS unless pages are shared: the boot files'
+    /// pages the guest has not written are shared with every VM mapping the same files).
     pub guest_pss: u64,
+    /// Of the guest RAM, the part mapped from the boot files (kernel, initrd; `vmm::boot_files`):
+    /// its RSS (file pages still shared, and pages the guest wrote, now its own) and PSS.
+    pub file_rss: u64,
+    pub file_pss: u64,
     /// The whole process's PSS, from the same reading.
     pub process_pss: u64,
     /// How the guest RAM was found.
@@ -556,13 +567,24 @@ impl GuestRamSplit {
 
 /// Finds the guest RAM of a VM of `guest_bytes` in a VMM process's smaps: by name where the
 /// kernel shows it, else the anonymous `dd` mappings adding up to the guest size, else the one
-/// anonymous mapping of exactly that size. Anything else is an error saying what was seen.
+/// anonymous mapping of exactly that size; with the first two, the boot files mapped over parts
+/// of it (private writable file mappings with `dd`) count as guest RAM too. Anything else is an
+/// error saying what was seen.
 pub fn split_guest_ram(entries: &[SmapsEntry], guest_bytes: u64) -> Result<GuestRamSplit, String> {
     let named_as = format!("[anon:{GUEST_RAM_VMA_NAME}]");
-    let named: Vec<&SmapsEntry> = entries.iter().filter(|e| e.name == named_as).collect();
+    let files: Vec<&SmapsEntry> = entries.iter().filter(|e| e.is_guest_file_range()).collect();
+    let named: Vec<&SmapsEntry> = entries
+        .iter()
+        .filter(|e| {
+            e.name == named_as
+                || (e.is_guest_file_range() && entries.iter().any(|n| n.name == named_as))
+        })
+        .collect();
     let no_dump: Vec<&SmapsEntry> = entries
         .iter()
-        .filter(|e| e.is_plain_anonymous() && e.flags.iter().any(|f| f == "dd"))
+        .filter(|e| {
+            (e.is_plain_anonymous() && e.flags.iter().any(|f| f == "dd")) || e.is_guest_file_range()
+        })
         .collect();
     let of_size: Vec<&SmapsEntry> = entries
         .iter()
@@ -591,10 +613,20 @@ pub fn split_guest_ram(entries: &[SmapsEntry], guest_bytes: u64) -> Result<Guest
             total(&guest)
         ));
     }
+    let (file_rss, file_pss) = if matched == GuestRamMatch::Size {
+        (0, 0)
+    } else {
+        (
+            files.iter().map(|e| e.rss).sum(),
+            files.iter().map(|e| e.pss).sum(),
+        )
+    };
     Ok(GuestRamSplit {
         guest_size: guest_bytes,
         guest_rss: guest.iter().map(|e| e.rss).sum(),
         guest_pss: guest.iter().map(|e| e.pss).sum(),
+        file_rss,
+        file_pss,
         process_pss: entries.iter().map(|e| e.pss).sum(),
         matched,
     })
@@ -951,6 +983,30 @@ VmFlags: rd wr mr mw me gd ac
         // Named mappings that do not add up to the guest are an error, not a guess.
         let e = split_guest_ram(&parse_smaps(&text), 512 << 20).unwrap_err();
         assert!(e.contains("hold 268435456 bytes"), "{e}");
+    }
+
+    #[test]
+    fn boot_files_mapped_over_guest_ram_count_as_guest_ram() {
+        // The VMM mapped 16 MiB of the kernel over the middle of the guest RAM mapping.
+        let text = SMAPS.replacen(
+            "7f0000000000-7f0010000000 rw-p 00000000 00:00 0 \n\
+             Size:             262144 kB",
+            "7f0000000000-7f0001000000 rw-p 00000000 00:00 0 \n\
+             Size: 16384 kB\nRss: 100 kB\nPss: 100 kB\nVmFlags: rd wr mr mw me nr dd\n\
+             7f0001000000-7f0002000000 rw-p 00200000 08:01 4242   /var/lib/microvm/vmlinux\n\
+             Size: 16384 kB\nRss: 16384 kB\nPss: 2048 kB\nVmFlags: rd wr mr mw me nr dd\n\
+             7f0002000000-7f0010000000 rw-p 00000000 00:00 0 \n\
+             Size:             229376 kB",
+            1,
+        );
+        let e = parse_smaps(&text);
+        let s = split_guest_ram(&e, 256 << 20).unwrap();
+        assert_eq!(s.matched, GuestRamMatch::NoDumpFlagAndSize);
+        assert_eq!(s.guest_rss, (100 + 16384 + 40960) * 1024);
+        assert_eq!(s.guest_pss, (100 + 2048 + 40000) * 1024);
+        assert_eq!((s.file_rss, s.file_pss), (16384 * 1024, 2048 * 1024));
+        // The shim's own binary (no dd, not writable) is not guest RAM.
+        assert_eq!(s.own_pss(), (2048 + 100 + 12 + 24) * 1024);
     }
 
     #[test]

@@ -45,16 +45,57 @@ fn artifacts_or_fail() -> (PathBuf, PathBuf) {
     (kernel, initrd)
 }
 
+/// The private writable mappings of `file` in this process (the embedded VMM maps the boot files
+/// over guest RAM so: vmm/src/boot_files.rs), with the no-dump mark of guest RAM: how many.
+fn guest_ram_mappings_of(file: &std::path::Path) -> usize {
+    let real = std::fs::canonicalize(file).expect("the file resolves");
+    let real = real.to_string_lossy();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("own smaps");
+    let mut count = 0;
+    let mut current_is_file = false;
+    for line in smaps.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.len() >= 5 && words[0].contains('-') && words[1].len() == 4 {
+            current_is_file = words[1] == "rw-p" && words.get(5) == Some(&&*real);
+        } else if current_is_file && line.starts_with("VmFlags:") {
+            if words.contains(&"dd") {
+                count += 1;
+            }
+            current_is_file = false;
+        }
+    }
+    count
+}
+
 fn boot_and_check(vcpus: u8, memory_mib: u64) {
+    boot_and_check_with(vcpus, memory_mib, vmm::BootFiles::Map);
+}
+
+fn boot_and_check_with(vcpus: u8, memory_mib: u64, boot_files: vmm::BootFiles) {
     let (kernel, initrd) = artifacts_or_fail();
-    let spec = GuestSpec::new(
+    let mut spec = GuestSpec::new(
         kernel.clone(),
-        initrd,
+        initrd.clone(),
         vcpus,
         memory_mib,
         new_work_dir("kvm-linux-test"),
     );
+    spec.boot_files = boot_files;
     let mut vm = GuestVm::start(Backend::Kvm, &spec).expect("the embedded VMM starts the guest");
+    if boot_files == vmm::BootFiles::Map {
+        // The kernel's segments and the initrd are mapped from their files (shared page cache),
+        // not copied; the guest boots from them all the same.
+        assert!(
+            guest_ram_mappings_of(&kernel) >= 1,
+            "no private mapping of {} over guest RAM",
+            kernel.display()
+        );
+        assert!(
+            guest_ram_mappings_of(&initrd) >= 1,
+            "no private mapping of {} over guest RAM",
+            initrd.display()
+        );
+    }
     vm.wait_agent_ready(Duration::from_secs(60))
         .expect("the agent comes up");
     // The agent client is async (ttrpc's tokio client).
@@ -101,6 +142,12 @@ fn linux_guest_boots_on_embedded_vmm_1_vcpu() {
 #[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
 fn linux_guest_boots_on_embedded_vmm_2_vcpus() {
     boot_and_check(2, 512);
+}
+
+#[test]
+#[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
+fn linux_guest_boots_with_copied_boot_files() {
+    boot_and_check_with(1, 256, vmm::BootFiles::Copy);
 }
 
 /// Waits for a console line containing `what`; fails with the console on a timeout.

@@ -13,6 +13,8 @@ use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::{load_cmdline, KernelLoader};
 use vm_memory::{ByteValued, Bytes, GuestAddress};
 
+use crate::boot_files::{self, LoadStats};
+use crate::config::BootFiles;
 use crate::layout::{
     CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, MMIO_GAP_END, MMIO_GAP_START,
     PVH_INFO_START, PVH_MEMMAP_START, PVH_MODLIST_START, ZERO_PAGE_START,
@@ -47,12 +49,14 @@ pub enum BootError {
     InitrdRead(String),
     #[error("kernel command line: {0}")]
     Cmdline(String),
+    #[error("placing the file in guest memory: {0}")]
+    Place(#[source] crate::boot_files::BootFileError),
     #[error("cannot write the {0} to guest memory")]
     Write(&'static str),
 }
 
 /// What the ELF loader found.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LoadedKernel {
     /// The 64-bit entry point (ELF e_entry).
     pub entry: u64,
@@ -60,6 +64,9 @@ pub struct LoadedKernel {
     pub end: u64,
     /// The PVH 32-bit entry point, if the ELF has one.
     pub pvh_entry: Option<u64>,
+    /// How much was mapped from the file and copied ([`BootFiles::Map`]); `None`: copied whole
+    /// by linux-loader's ELF loader.
+    pub mapped: Option<LoadStats>,
 }
 
 /// Where the initrd went.
@@ -69,9 +76,33 @@ pub struct InitrdPlacement {
     pub size: u64,
 }
 
-/// Loads the ELF kernel at `path` into `mem`.
-pub fn load_kernel(mem: &GuestMemory, path: &Path) -> Result<LoadedKernel, BootError> {
+/// Loads the ELF kernel at `path` into `mem`: with [`BootFiles::Map`] its segments' whole pages
+/// are mapped from the file ([`crate::boot_files`]); a file whose headers that path does not
+/// take, and [`BootFiles::Copy`], go through linux-loader's ELF loader (a copy).
+pub fn load_kernel(
+    mem: &GuestMemory,
+    path: &Path,
+    files: BootFiles,
+) -> Result<LoadedKernel, BootError> {
     let mut file = File::open(path).map_err(BootError::Open)?;
+    if files == BootFiles::Map {
+        match boot_files::read_elf(&mut file) {
+            Ok(k) => {
+                let stats =
+                    boot_files::load_elf_mapped(mem, &mut file, &k).map_err(BootError::Place)?;
+                return Ok(LoadedKernel {
+                    entry: k.entry,
+                    end: k.end,
+                    pvh_entry: k.pvh_entry,
+                    mapped: Some(stats),
+                });
+            }
+            Err(e) => log::debug!(
+                "kernel {}: not mapped from the file ({e}); copying it with the ELF loader",
+                path.display()
+            ),
+        }
+    }
     let r = Elf::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START)))
         .map_err(BootError::Load)?;
     let pvh_entry = match r.pvh_boot_cap {
@@ -82,6 +113,7 @@ pub fn load_kernel(mem: &GuestMemory, path: &Path) -> Result<LoadedKernel, BootE
         entry: r.kernel_load.0,
         end: r.kernel_end,
         pvh_entry,
+        mapped: None,
     })
 }
 
@@ -109,23 +141,33 @@ pub fn initrd_address(mem_size: u64, kernel_end: u64, size: u64) -> Result<u64, 
     Ok(addr)
 }
 
-/// Loads the initrd at `path` high in guest memory.
+/// Loads the initrd at `path` high in guest memory: mapped from the file where
+/// [`BootFiles::Map`] (its page-aligned start makes every whole page mappable; the partial last
+/// page is copied), else copied. Returns where it went and, when mapped, how.
 pub fn load_initrd(
     mem: &GuestMemory,
     mem_size: u64,
     kernel_end: u64,
     path: &Path,
-) -> Result<InitrdPlacement, BootError> {
+    files: BootFiles,
+) -> Result<(InitrdPlacement, Option<LoadStats>), BootError> {
     let mut file = File::open(path).map_err(BootError::Open)?;
     let size = file
         .metadata()
         .map_err(|e| BootError::InitrdRead(e.to_string()))?
         .len();
     let addr = initrd_address(mem_size, kernel_end, size)?;
+    let placement = InitrdPlacement { addr, size };
+    if files == BootFiles::Map {
+        let mut stats = LoadStats::default();
+        boot_files::place_range(mem, &mut file, 0, addr, size, &mut stats)
+            .map_err(BootError::Place)?;
+        return Ok((placement, Some(stats)));
+    }
     let len = usize::try_from(size).map_err(|e| BootError::InitrdRead(e.to_string()))?;
     mem.read_exact_volatile_from(GuestAddress(addr), &mut file, len)
         .map_err(|e| BootError::InitrdRead(e.to_string()))?;
-    Ok(InitrdPlacement { addr, size })
+    Ok((placement, None))
 }
 
 /// The kernel command line: the user's part, then the VMM's device arguments.

@@ -102,6 +102,18 @@ pub enum BootProtocol {
     Pvh,
 }
 
+/// How the kernel and the initrd get into guest RAM (`vmm::boot_files`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BootFiles {
+    /// Whole pages mapped from the files, private and copy-on-write: the host's page cache holds
+    /// one copy for all VMs booted from the same files. Pages that cannot be mapped (partial
+    /// pages, a file whose mapping fails, a kernel the mapping path does not read) are copied.
+    #[default]
+    Map,
+    /// Copied into each VM's anonymous memory.
+    Copy,
+}
+
 /// A virtio-blk disk, in the order the guest sees them (vda, vdb, ...).
 #[derive(Debug)]
 pub struct BlockConfig {
@@ -152,6 +164,8 @@ pub struct VmConfig {
     /// Disks (virtio-blk), in the order the guest sees them (vda, vdb, ...).
     pub blocks: Vec<BlockConfig>,
     pub boot_protocol: BootProtocol,
+    /// Kernel and initrd mapped from their files (the default) or copied.
+    pub boot_files: BootFiles,
     /// Host PCI devices passed through on the guest's PCI bus 0 (a PCI root exists only when
     /// this is not empty).
     pub vfio: Vec<VfioConfig>,
@@ -173,6 +187,7 @@ impl VmConfig {
             blocks: Vec::new(),
             vfio: Vec::new(),
             boot_protocol: BootProtocol::Auto,
+            boot_files: BootFiles::Map,
         }
     }
 

@@ -5,6 +5,7 @@
 //! running KVM_RUN, one device event loop. The guest physical layout is in [`layout`].
 
 pub mod boot;
+pub mod boot_files;
 pub mod capabilities;
 pub mod config;
 pub mod cpuid;
@@ -23,8 +24,8 @@ pub mod vfio;
 mod vm;
 
 pub use config::{
-    BlockBacking, BlockConfig, BootProtocol, NetConfig, SerialSink, SharedFsConfig, VfioConfig,
-    VmConfig, VsockConfig,
+    BlockBacking, BlockConfig, BootFiles, BootProtocol, NetConfig, SerialSink, SharedFsConfig,
+    VfioConfig, VmConfig, VsockConfig,
 };
 pub use error::VmmError;
 pub use handle::VmHandle;

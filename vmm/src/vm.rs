@@ -1,9 +1,11 @@
 //! Building and starting a VM, step by step:
 //!
 //! 1. check the config;
-//! 2. guest memory and the KVM VM (irqchip, PIT, memory slots);
-//! 3. devices (serial, i8042, virtio, and a PCI root with VFIO devices) and the command line;
-//! 4. kernel, initrd, boot information, MP table, page tables;
+//! 2. guest memory, the kernel and the initrd in it (mapped from their files where possible,
+//!    [`crate::boot_files`]: before KVM or a device sees the memory), then the KVM VM (irqchip,
+//!    PIT, memory slots);
+//! 3. devices (serial, i8042, virtio, and a PCI root with VFIO devices);
+//! 4. command line, boot information, MP table, page tables;
 //! 5. vCPUs;
 //! 6. the device event-loop thread, then one thread per vCPU.
 
@@ -39,6 +41,41 @@ impl Vm {
         install_kick_handler()?;
         let mem_size = cfg.memory_mib << 20;
         let mem = create_guest_memory(mem_size).map_err(|e| VmmError::Memory(e.to_string()))?;
+        // The boot files go in before KVM or any device sees guest memory: mapped from their
+        // files, they replace pages of the RAM mapping (boot_files).
+        let kernel_err = |e: BootError| VmmError::Kernel {
+            path: cfg.kernel.clone(),
+            reason: e.to_string(),
+        };
+        let kernel = boot::load_kernel(&mem, &cfg.kernel, cfg.boot_files).map_err(kernel_err)?;
+        let (mode, entry) = match (cfg.boot_protocol, kernel.pvh_entry) {
+            (BootProtocol::Pvh, Some(e)) | (BootProtocol::Auto, Some(e)) => (EntryMode::Pvh32, e),
+            (BootProtocol::Pvh, None) => return Err(kernel_err(BootError::NoPvhEntry)),
+            (BootProtocol::Linux64, _) | (BootProtocol::Auto, None) => {
+                (EntryMode::Long64, kernel.entry)
+            }
+        };
+        match &kernel.mapped {
+            Some(stats) => log::debug!("kernel {}: {stats}", cfg.kernel.display()),
+            None => log::debug!("kernel {}: copied by the ELF loader", cfg.kernel.display()),
+        }
+        let initrd = match &cfg.initrd {
+            Some(path) => {
+                let (placed, mapped) =
+                    boot::load_initrd(&mem, mem_size, kernel.end, path, cfg.boot_files).map_err(
+                        |e| VmmError::Initrd {
+                            path: path.clone(),
+                            reason: e.to_string(),
+                        },
+                    )?;
+                match mapped {
+                    Some(stats) => log::debug!("initrd {}: {stats}", path.display()),
+                    None => log::debug!("initrd {}: copied", path.display()),
+                }
+                Some(placed)
+            }
+            None => None,
+        };
         let vm = KvmVm::new()?;
         if usize::from(cfg.vcpus) > vm.max_vcpus() {
             return Err(VmmError::Config(format!(
@@ -128,10 +165,6 @@ impl Vm {
             devices.attach_pci(root)?;
         }
 
-        let kernel_err = |e: BootError| VmmError::Kernel {
-            path: cfg.kernel.clone(),
-            reason: e.to_string(),
-        };
         let cmdline = boot::build_cmdline(&cfg.cmdline, &devices.cmdline_args)
             .map_err(|e| VmmError::Config(e.to_string()))?;
         let cmdline_text = cmdline
@@ -139,23 +172,6 @@ impl Vm {
             .map_err(|e| VmmError::Config(format!("kernel command line: {e}")))?
             .into_string()
             .unwrap_or_default();
-        let kernel = boot::load_kernel(&mem, &cfg.kernel).map_err(kernel_err)?;
-        let (mode, entry) = match (cfg.boot_protocol, kernel.pvh_entry) {
-            (BootProtocol::Pvh, Some(e)) | (BootProtocol::Auto, Some(e)) => (EntryMode::Pvh32, e),
-            (BootProtocol::Pvh, None) => return Err(kernel_err(BootError::NoPvhEntry)),
-            (BootProtocol::Linux64, _) | (BootProtocol::Auto, None) => {
-                (EntryMode::Long64, kernel.entry)
-            }
-        };
-        let initrd = match &cfg.initrd {
-            Some(path) => Some(boot::load_initrd(&mem, mem_size, kernel.end, path).map_err(
-                |e| VmmError::Initrd {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                },
-            )?),
-            None => None,
-        };
         let cmdline_len =
             boot::write_cmdline(&mem, &cmdline).map_err(|e| VmmError::Memory(e.to_string()))?;
         let boot_info = match mode {

@@ -180,6 +180,10 @@ impl Sandbox {
             state.vm_dir(),
         );
         guest.agent_log_level = Some(config.log_level.clone());
+        guest.boot_files = match config.boot_files {
+            crate::config::BootFiles::Map => vmm::BootFiles::Map,
+            crate::config::BootFiles::Copy => vmm::BootFiles::Copy,
+        };
         guest.hostname = req.spec["hostname"].as_str().map(str::to_owned);
         guest.shared = Some(SharedDir {
             tag: spec::SHARED_FS_TAG.to_string(),

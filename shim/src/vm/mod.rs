@@ -77,6 +77,8 @@ pub struct GuestSpec {
     pub disks: Vec<GuestDisk>,
     /// Host PCI devices (`/sys/bus/pci/devices/<address>`) to pass through with VFIO.
     pub vfio: Vec<PathBuf>,
+    /// Embedded VMM: kernel and initrd mapped from their files (the default) or copied.
+    pub boot_files: vmm::BootFiles,
 }
 
 /// A virtio-blk disk of the guest; the guest finds it by its serial
@@ -154,6 +156,7 @@ impl GuestSpec {
             nics: Vec::new(),
             disks: Vec::new(),
             vfio: Vec::new(),
+            boot_files: vmm::BootFiles::Map,
         }
     }
 
@@ -418,6 +421,7 @@ impl GuestVm {
         cfg.vcpus = spec.vcpus;
         cfg.memory_mib = spec.memory_mib;
         cfg.initrd = Some(spec.initrd.clone());
+        cfg.boot_files = spec.boot_files;
         cfg.cmdline = format!("{KVM_GUEST_CMDLINE} {}", spec.cmdline_extra())
             .trim_end()
             .to_string();

@@ -27,7 +27,12 @@
 //! small HTTP requests (median and p99); the same line format. Knobs: `BENCH_NET_RUNS` (10),
 //! `BENCH_NET_MIB` (32 per transfer), `BENCH_NET_REQUESTS` (100 per run).
 //!
-//! `BENCH_ONLY` runs some parts only: a comma-separated list of `boot`, `pods`, `net`.
+//! Then pod density (needs root; see `density.rs`): `BENCH_DENSITY` (default 10) idle pods per
+//! handler running at once, the median and total PSS per pod; `BENCH_DENSITY_MAX=N` instead
+//! starts `microvm` pods until N run or the host's memory is nearly used (the long run).
+//!
+//! `BENCH_ONLY` runs some parts only: a comma-separated list of `boot`, `pods`, `net`,
+//! `density`.
 //!
 //! A comparison that cannot run, or a number that cannot be had, fails the benchmark (exit 1,
 //! the reason on stderr) instead of printing n/a. docs/benchmarks.md has the numbers of this host
@@ -52,6 +57,9 @@ use microvm_tests::pod_net::{
     PodNetError, PodServers, ServerSpec, POD_PORTS,
 };
 use std::collections::HashMap;
+
+#[path = "bench/density.rs"]
+mod density;
 
 /// One measured boot.
 #[derive(Debug, Clone, Copy)]
@@ -283,10 +291,12 @@ enum Part {
     Pods,
     /// The pod network through the pod IP, `microvm` against `runc`.
     Net,
+    /// Many idle pods at once, `microvm` against `runc` (bench/density.rs).
+    Density,
 }
 
 impl Part {
-    const ALL: [Part; 3] = [Part::Boot, Part::Pods, Part::Net];
+    const ALL: [Part; 4] = [Part::Boot, Part::Pods, Part::Net, Part::Density];
 
     /// Its name in `BENCH_ONLY`.
     fn name(self) -> &'static str {
@@ -294,6 +304,7 @@ impl Part {
             Part::Boot => "boot",
             Part::Pods => "pods",
             Part::Net => "net",
+            Part::Density => "density",
         }
     }
 
@@ -303,6 +314,7 @@ impl Part {
             Part::Boot => "the boot comparison",
             Part::Pods => "the pod comparison",
             Part::Net => "the pod network comparison",
+            Part::Density => "the pod density comparison",
         }
     }
 }
@@ -357,6 +369,7 @@ fn main() -> ExitCode {
             Part::Boot => vmm_boot_bench(),
             Part::Pods => runtime().and_then(|r| r.block_on(pod_bench())),
             Part::Net => runtime().and_then(|r| r.block_on(net_bench())),
+            Part::Density => runtime().and_then(|r| r.block_on(density::density_bench())),
         };
         if let Err(e) = result {
             eprintln!("bench: {} FAILED: {e:#}", part.what());
@@ -632,6 +645,8 @@ struct PodSetup {
     vm_size: shim::sandbox::spec::VmSize,
     /// The shim's `guest_base_memory_mib`: what a VM holds beyond its containers' limits.
     guest_base_mib: u64,
+    /// The shim's `boot_files` (`BENCH_BOOT_FILES`).
+    boot_files: shim::config::BootFiles,
     // Fields drop in order: the CRI client before its containerd.
     cri: CriClient,
     ctrd: PrivateContainerd,
@@ -673,6 +688,18 @@ impl PodSetup {
             &initrd,
             "info",
         )?;
+        // `BENCH_BOOT_FILES=copy|map`: the shim's `boot_files` (docs/density.md), to measure
+        // the embedded VMM's copied boot files against the mapped ones (the default).
+        if let Ok(how) = std::env::var("BENCH_BOOT_FILES") {
+            if how != "map" && how != "copy" {
+                bail!("BENCH_BOOT_FILES={how:?}: expected map or copy");
+            }
+            let mut text = std::fs::read_to_string(&config)
+                .with_context(|| format!("reading {}", config.display()))?;
+            text.insert_str(0, &format!("boot_files = \"{how}\"\n"));
+            std::fs::write(&config, text)
+                .with_context(|| format!("writing {}", config.display()))?;
+        }
         let shim_config = shim::config::Config::load(Some(&config))
             .with_context(|| format!("reading back the shim config {}", config.display()))?;
         let vm_size = shim::sandbox::spec::vm_size(&shim_config, &HashMap::new())
@@ -694,6 +721,7 @@ impl PodSetup {
             embedded_accel,
             vm_size,
             guest_base_mib: shim_config.guest_base_memory_mib,
+            boot_files: shim_config.boot_files,
             cri,
             ctrd,
             config_dir,
@@ -735,6 +763,7 @@ async fn pod_bench() -> Result<()> {
         cri,
         ctrd,
         config_dir: _config_dir,
+        ..
     } = PodSetup::start().await?;
 
     let ours_opts = LifecycleOptions {
@@ -1026,11 +1055,14 @@ async fn pod_bench() -> Result<()> {
         let own = |m: &PodMemory| m.shim_split.map(|s| s.own_pss()).unwrap_or(0);
         println!(
             "pod_idle_guest_ram_touched ours={:.1}MiB (PSS; RSS {:.1}MiB of the {:.0}MiB guest \
-             RAM mapping, found {}) {tag} (range over the pods: {})",
+             RAM mapping, found {}; of it mapped from the boot files: PSS {:.1}MiB, RSS \
+             {:.1}MiB) {tag} (range over the pods: {})",
             mib(s.guest_pss),
             mib(s.guest_rss),
             mib(s.guest_size),
             s.matched,
+            mib(s.file_pss),
+            mib(s.file_rss),
             range(&ours_all, &guest)
         );
         println!(
@@ -1533,6 +1565,10 @@ mod tests {
             "{e}"
         );
         assert!(selected_parts("pods,").is_err());
+        assert_eq!(
+            selected_parts("density,pods").unwrap(),
+            vec![Part::Pods, Part::Density]
+        );
     }
 
     #[test]
