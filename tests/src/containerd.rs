@@ -82,6 +82,10 @@ pub struct ContainerdOptions {
     /// Whether the harness writes the `microvm` handler into the config (else a test adds it,
     /// e.g. with `microvm install`, through [`PrivateContainerd::start_after`]).
     pub microvm_handler: bool,
+    /// The `microvm` handler's `sandboxer` (containerd 2.x only): `Some("shim")` creates its
+    /// pods through the shim's Sandbox API instead of a pause container; none: containerd's
+    /// default (`podsandbox`).
+    pub microvm_sandboxer: Option<String>,
 }
 
 /// The environment variable naming the folder of the containerd the tests run.
@@ -144,6 +148,7 @@ impl Default for ContainerdOptions {
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from),
             microvm_handler: true,
+            microvm_sandboxer: None,
         }
     }
 }
@@ -257,7 +262,15 @@ impl PrivateContainerd {
         let path = std::env::join_paths(path).map_err(|e| {
             io_err("PATH")(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))
         })?;
-        let child = Command::new(&containerd)
+        let mut cmd = Command::new(&containerd);
+        // A `sandboxer = "shim"` handler has no `options` table (containerd 2.1 cannot start its
+        // pods' tasks with one, docs/testing-containerd.md): its shims find their config in
+        // containerd's environment instead.
+        match (&opts.microvm_config, &opts.microvm_sandboxer) {
+            (Some(path), Some(_)) => cmd.env("MICROVM_CONFIG_PATH", path),
+            _ => cmd.env_remove("MICROVM_CONFIG_PATH"),
+        };
+        let child = cmd
             .arg("--config")
             .arg(&config_path)
             .env("PATH", path)
@@ -765,18 +778,23 @@ fn containerd_config(
     };
     let cri = r#"plugins."io.containerd.grpc.v1.cri""#;
     let sandbox_image = toml_str(sandbox_image.unwrap_or(images::PAUSE_IMAGE));
+    // `sandboxer` is a 2.x key: 1.x has no Sandbox API (and would reject nothing, but ignore it).
+    let sandboxer = match (&opts.microvm_sandboxer, line) {
+        (Some(s), ContainerdLine::V2) => format!("  sandboxer = {}\n", toml_str(s)),
+        _ => String::new(),
+    };
     let microvm_handler = if opts.microvm_handler {
         format!(
             r#"[{runtime}.containerd.runtimes.microvm]
   runtime_type = "io.containerd.microvm.v1"
   pod_annotations = ["microvm.io/*"]
-"#
+{sandboxer}"#
         )
     } else {
         String::new()
     };
     let microvm_options = match &opts.microvm_config {
-        Some(path) if opts.microvm_handler => format!(
+        Some(path) if opts.microvm_handler && sandboxer.is_empty() => format!(
             "\n[{runtime}.containerd.runtimes.microvm.options]\n  ConfigPath = {}\n",
             toml_str(&path.to_string_lossy())
         ),
@@ -1178,6 +1196,40 @@ mod tests {
                 plugins["io.containerd.grpc.v1.cri"]["stream_server_address"].as_str(),
                 Some("127.0.0.1")
             );
+            assert!(microvm.get("sandboxer").is_none(), "{text}");
+        }
+    }
+
+    #[test]
+    fn the_shim_sandboxer_is_written_for_2x_only() {
+        let opts = ContainerdOptions {
+            microvm_sandboxer: Some("shim".into()),
+            microvm_config: Some("/etc/microvm/test.toml".into()),
+            ..Default::default()
+        };
+        let root = Path::new("/tmp/microvm-ctrd-x");
+        for (line, runtime, want) in [
+            (ContainerdLine::V1, "io.containerd.grpc.v1.cri", None),
+            (
+                ContainerdLine::V2,
+                "io.containerd.cri.v1.runtime",
+                Some("shim"),
+            ),
+        ] {
+            let text = containerd_config(line, root, &root.join("c.sock"), &opts, None);
+            let config: toml::Table = text.parse().unwrap();
+            let microvm = &config["plugins"][runtime]["containerd"]["runtimes"]["microvm"];
+            assert_eq!(
+                microvm.get("sandboxer").and_then(|s| s.as_str()),
+                want,
+                "{text}"
+            );
+            assert_eq!(
+                microvm["runtime_type"].as_str(),
+                Some("io.containerd.microvm.v1")
+            );
+            // 2.x with the shim sandboxer: no options table (ConfigPath goes by environment).
+            assert_eq!(microvm.get("options").is_none(), want.is_some(), "{text}");
         }
     }
 

@@ -36,7 +36,7 @@ use std::time::Duration;
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, Hypervisor};
 use crate::host_check;
-use crate::resources::cgroup::overhead::Defaults;
+use crate::resources::cgroup::overhead::{Amounts, Defaults};
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, SetupRequest};
 use crate::resources::{devices, network};
 use crate::state::{state_root, StateDir};
@@ -67,6 +67,9 @@ pub struct BootRequest<'a> {
     pub config: Config,
     /// The pod's sysctls (name -> value), already checked ([`spec::pod_sysctls`]).
     pub sysctls: HashMap<String, String>,
+    /// The RuntimeClass overhead when containerd gave it typed (Sandbox API:
+    /// [`super::pod_config`]); empty on the pause-container path.
+    pub overhead: Amounts,
 }
 
 impl Sandbox {
@@ -84,7 +87,7 @@ impl Sandbox {
             .create(std::process::id())
             .map_err(SandboxError::State)?;
         // 4. The host cgroup, before anything that spawns a process or thread for the pod.
-        let host_cgroup = match host_cgroup(id, config, req.spec, req.annotations, size, &state) {
+        let host_cgroup = match host_cgroup(id, config, &req, size, &state) {
             Ok(c) => c,
             Err(e) => {
                 if let Err(c) = release_host_resources(&state).await {
@@ -295,8 +298,7 @@ impl Sandbox {
 fn host_cgroup(
     id: &str,
     config: &Config,
-    spec: &serde_json::Value,
-    annotations: &HashMap<String, String>,
+    req: &BootRequest<'_>,
     size: spec::VmSize,
     state: &StateDir,
 ) -> Result<Option<HostCgroup>, CgroupError> {
@@ -304,6 +306,7 @@ fn host_cgroup(
         log::info!("sandbox {id}: no host cgroup ([cgroup] enabled = false in the config)");
         return Ok(None);
     }
+    let (spec, annotations) = (req.spec, req.annotations);
     let cgroups_path = spec["linux"]["cgroupsPath"].as_str().unwrap_or_default();
     if cgroups_path.is_empty() {
         log::info!(
@@ -322,6 +325,7 @@ fn host_cgroup(
         cgroups_path,
         annotations,
         containers: spec::containers_sum(annotations),
+        typed_overhead: req.overhead,
         vm_memory_bytes: size.memory_mib.saturating_mul(1 << 20),
         vcpus: size.vcpus,
         defaults,

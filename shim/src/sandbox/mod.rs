@@ -5,6 +5,8 @@
 //! - [`container`]: an app container added to the VM (files shared, spec rewritten, created in
 //!   the agent, stdio attached) with its rollback, and removed again;
 //! - teardown ([`Sandbox::teardown`]): the VM stopped, the state directory cleaned up;
+//! - [`pod_config`]: a pod created through containerd 2.x's Sandbox API (no spec: its CRI
+//!   `PodSandboxConfig`) as the spec and annotations the boot reads;
 //! - [`spec`]: the one place that knows both the OCI spec and the VM (the VM's size from the
 //!   pod's annotations, a container's spec rewritten for the guest, what a pod may not ask).
 //!
@@ -12,6 +14,7 @@
 
 pub mod boot;
 pub mod container;
+pub mod pod_config;
 pub mod spec;
 
 use std::path::{Path, PathBuf};

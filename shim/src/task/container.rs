@@ -56,6 +56,9 @@ impl Container {
 pub struct Containers {
     pub pod: Option<Arc<Sandbox>>,
     pub map: HashMap<String, Container>,
+    /// The pod containerd created through the Sandbox API, until ShutdownSandbox: the shim
+    /// stays for it even with no container left.
+    pub api_pod: Option<crate::task::sandbox_service::ApiPod>,
 }
 
 impl Containers {

@@ -22,8 +22,13 @@ use crate::task::service::TaskService;
 const KILLED: u32 = 137;
 
 impl TaskService {
-    fn load_config(&self, req: &api::CreateTaskRequest) -> Result<Config> {
-        let from_request = match req.options.as_ref() {
+    /// The shim's config: the path in `options` (a Create's runtime options), else the
+    /// handler's `ConfigPath` given to `start`, else the default.
+    pub(crate) fn load_config(
+        &self,
+        options: Option<&containerd_shim_protos::protobuf::well_known_types::any::Any>,
+    ) -> Result<Config> {
+        let from_request = match options {
             Some(any) => options::config_path_from_any(any)
                 .map_err(|e| Error::InvalidArgument(e.to_string()))?,
             None => None,
@@ -40,23 +45,28 @@ impl TaskService {
         annotations: &HashMap<String, String>,
         sysctls: HashMap<String, String>,
     ) -> Result<Arc<Sandbox>> {
+        let config = self.load_config(req.options.as_ref())?;
+        self.boot_pod(BootRequest {
+            id: &req.id,
+            spec,
+            annotations,
+            config,
+            sysctls,
+            overhead: Default::default(),
+        })
+        .await
+    }
+
+    /// Boots pod `req.id` if this shim runs none yet, and records it (the task API's sandbox
+    /// and standalone containers, and the Sandbox API's StartSandbox).
+    pub(crate) async fn boot_pod(&self, req: BootRequest<'_>) -> Result<Arc<Sandbox>> {
         if self.inner.lock().await.pod.is_some() {
             return Err(Error::AlreadyExists(format!(
                 "this shim already runs a pod; cannot create sandbox {}",
                 req.id
             )));
         }
-        let config = self.load_config(req)?;
-        let sandbox = Arc::new(
-            Sandbox::boot(BootRequest {
-                id: &req.id,
-                spec,
-                annotations,
-                config,
-                sysctls,
-            })
-            .await?,
-        );
+        let sandbox = Arc::new(Sandbox::boot(req).await?);
         self.inner.lock().await.pod = Some(sandbox.clone());
         Ok(sandbox)
     }

@@ -1,6 +1,10 @@
 //! The containerd shim v2 (`containerd-shim-microvm-v1`): one long-lived shim per pod, which
 //! runs the pod's VM. See docs/shim.md for how containerd calls it.
 //!
+//! - [`serve`]: the binary's entry point: the bootstrap and our ttrpc server with both
+//!   services on the pod's socket.
+//! - [`sandbox_service`]: containerd 2.x's Sandbox API (`sandboxer = "shim"`), thin over
+//!   [`crate::sandbox`] like the task service.
 //! - [`shim`]: `start` (spawn or reuse the pod's shim, print its address), `delete`
 //!   (cleanup after a shim that is gone), the daemon's setup.
 //! - [`service`]: the task API (Create, Start, Kill, Wait, State, Delete, ...), thin: it
@@ -23,5 +27,7 @@ pub mod exec;
 pub mod metrics;
 pub mod options;
 pub mod process;
+pub mod sandbox_service;
+pub mod serve;
 pub mod service;
 pub mod shim;

@@ -66,6 +66,16 @@ impl TaskService {
         }
     }
 
+    /// Lets the shim exit if it serves nothing any more: no container, and no pod of the
+    /// Sandbox API before its ShutdownSandbox.
+    pub(crate) async fn shutdown_if_idle(&self) {
+        let inner = self.inner.lock().await;
+        if inner.map.is_empty() && inner.api_pod.is_none() {
+            log::info!("no containers left: the shim exits");
+            self.exit.signal();
+        }
+    }
+
     /// Pause (`paused`) or Resume of app container `id` through the agent (cgroup freezer).
     async fn set_paused(&self, id: &str, paused: bool) -> Result<()> {
         let agent = {
@@ -606,12 +616,7 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         _req: api::ShutdownRequest,
     ) -> TtrpcResult<api::Empty> {
-        let inner = self.inner.lock().await;
-        if !inner.map.is_empty() {
-            return Ok(api::Empty::new());
-        }
-        log::info!("no containers left: the shim exits");
-        self.exit.signal();
+        self.shutdown_if_idle().await;
         Ok(api::Empty::new())
     }
 }

@@ -1,5 +1,5 @@
-//! The shim's process-level commands (containerd's shim v2 protocol, through the
-//! `containerd-shim` crate): `start` spawns or reuses the pod's long-lived shim and prints its
+//! The shim's process-level commands (containerd's shim v2 protocol, run by
+//! [`crate::task::serve`]): `start` spawns or reuses the pod's long-lived shim and prints its
 //! socket address; `delete` cleans up after a shim that is gone; the daemon serves the task API
 //! ([`crate::task::service`]).
 //!
@@ -63,11 +63,25 @@ impl Shim for MicrovmShim {
         // stdin: the handler's runtime options (runtimeoptions.v1.Options with ConfigPath).
         let mut stdin = Vec::new();
         let _ = std::io::stdin().read_to_end(&mut stdin);
+        // No `ConfigPath` in the options (a handler without an `options` table, as
+        // `sandboxer = "shim"` needs on containerd 2.1): `MICROVM_CONFIG_PATH` in containerd's
+        // environment, which its shims inherit, else the default file.
         let config_path = options::config_path_from_any_bytes(&stdin)
-            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        let spec = bundle::read_spec(&self.bundle).map_err(|e| Error::Other(e.to_string()))?;
-        let role = Role::from_annotations(&opts.id, &bundle::annotations(&spec));
-        let pod_id = role.pod_id(&opts.id).to_string();
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?
+            .or_else(|| {
+                std::env::var_os(CONFIG_PATH_ENV)
+                    .filter(|v| !v.is_empty())
+                    .map(PathBuf::from)
+            });
+        // containerd 2.x's Sandbox API (`sandboxer = "shim"`) starts a pod's shim with a bundle
+        // without a spec: the pod itself (CreateSandbox follows on the socket).
+        let pod_id = if self.bundle.join("config.json").exists() {
+            let spec = bundle::read_spec(&self.bundle).map_err(|e| Error::Other(e.to_string()))?;
+            let role = Role::from_annotations(&opts.id, &bundle::annotations(&spec));
+            role.pod_id(&opts.id).to_string()
+        } else {
+            opts.id.clone()
+        };
         let address = containerd_shim::socket_address(&opts.address, &opts.namespace, &pod_id);
         if !socket_serves(&address).await {
             spawn_daemon(&opts, &address, config_path.as_deref()).await?;
@@ -149,8 +163,8 @@ impl Shim for MicrovmShim {
     }
 }
 
-/// The containerd-shim crate's settings for this shim; pass them to `run` (the crate installs
-/// its signal handlers before [`Shim::new`] could change them). The VM backends wait for their
+/// The containerd-shim crate's settings for this shim ([`crate::task::serve`] reads them). The VM
+/// backends wait for their
 /// own children (QEMU, vhost-device-vsock, virtiofsd): the crate's SIGCHLD reaper
 /// (`waitpid(-1)`) would steal their exit statuses, so it is off, and so is the subreaper (the
 /// shim has no grandchildren to adopt).

@@ -100,6 +100,8 @@ pub struct SetupRequest<'a> {
     pub annotations: &'a HashMap<String, String>,
     /// The containers' sum from the `io.kubernetes.cri.sandbox-*` annotations.
     pub containers: Amounts,
+    /// The RuntimeClass overhead given typed (Sandbox API), empty otherwise.
+    pub typed_overhead: Amounts,
     pub vm_memory_bytes: u64,
     pub vcpus: u8,
     pub defaults: Defaults,
@@ -160,8 +162,14 @@ pub fn setup(req: SetupRequest<'_>) -> Result<HostCgroup, CgroupError> {
     let pod = path::parse_cgroups_path(req.cgroups_path).map_err(CgroupError::BadPath)?;
     let cg_path = pod.host_cgroup(req.sandbox_id);
     let pod_limits = read_amounts(&pod.parent);
-    let overhead = overhead::resolve(req.annotations, req.defaults, pod_limits, req.containers)
-        .map_err(CgroupError::Overhead)?;
+    let overhead = overhead::resolve(
+        req.annotations,
+        req.defaults,
+        req.typed_overhead,
+        pod_limits,
+        req.containers,
+    )
+    .map_err(CgroupError::Overhead)?;
     let limits = overhead::limits(req.vm_memory_bytes, req.vcpus, &overhead, pod_limits);
     if req.record.exists() {
         return Err(CgroupError::RecordExists {

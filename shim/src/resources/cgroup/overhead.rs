@@ -5,10 +5,12 @@
 //! The overhead comes from, per resource and in this order:
 //! 1. the pod annotations [`ANN_OVERHEAD_MEMORY`] / [`ANN_OVERHEAD_CPU`] (Kubernetes quantities),
 //!    when the config allows them;
-//! 2. the pod cgroup's limit minus the containers' sum (kubelet sized the pod cgroup to the
+//! 2. the RuntimeClass overhead containerd 2.x hands the shim typed (`PodSandboxConfig.linux.
+//!    overhead`, Sandbox API only: `sandbox::pod_config`);
+//! 3. the pod cgroup's limit minus the containers' sum (kubelet sized the pod cgroup to the
 //!    containers plus the RuntimeClass overhead; containerd passes the containers' sum as the
 //!    `io.kubernetes.cri.sandbox-*` annotations);
-//! 3. the config default.
+//! 4. the config default.
 //!
 //! The host cgroup's limits are the VM's size plus the overhead (memory: guest memory + overhead
 //! memory; CPU: vCPUs + overhead CPU per period), never above the pod cgroup's own limit.
@@ -24,6 +26,7 @@ pub const CPU_PERIOD_US: u64 = 100_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
     Annotation,
+    PodConfig,
     PodCgroup,
     Config,
 }
@@ -32,6 +35,7 @@ impl std::fmt::Display for Source {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Source::Annotation => "pod annotation",
+            Source::PodConfig => "RuntimeClass overhead in the PodSandboxConfig",
             Source::PodCgroup => "pod cgroup limit minus the containers' sum",
             Source::Config => "config default",
         })
@@ -84,6 +88,7 @@ impl Limits {
 pub fn resolve(
     annotations: &std::collections::HashMap<String, String>,
     defaults: Defaults,
+    typed: Amounts,
     pod_cgroup: Amounts,
     containers: Amounts,
 ) -> Result<Overhead, String> {
@@ -107,6 +112,8 @@ pub fn resolve(
     let (memory_bytes, memory_source) =
         if let Some(v) = annotated(ANN_OVERHEAD_MEMORY, Quantity::ceil_units)? {
             (v, Source::Annotation)
+        } else if let Some(v) = typed.memory_bytes {
+            (v, Source::PodConfig)
         } else if let Some(v) = from_parent(pod_cgroup.memory_bytes, containers.memory_bytes) {
             (v, Source::PodCgroup)
         } else {
@@ -115,6 +122,8 @@ pub fn resolve(
     let (cpu_millis, cpu_source) =
         if let Some(v) = annotated(ANN_OVERHEAD_CPU, Quantity::ceil_millis)? {
             (v, Source::Annotation)
+        } else if let Some(v) = typed.cpu_millis {
+            (v, Source::PodConfig)
         } else if let Some(v) = from_parent(pod_cgroup.cpu_millis, containers.cpu_millis) {
             (v, Source::PodCgroup)
         } else {
@@ -300,32 +309,60 @@ mod tests {
             cpu_millis: Some(1000),
         };
         // Nothing known: the config.
-        let o = resolve(&HashMap::new(), defaults, Amounts::default(), sum).unwrap();
+        let o = resolve(
+            &HashMap::new(),
+            defaults,
+            Amounts::default(),
+            Amounts::default(),
+            sum,
+        )
+        .unwrap();
         assert_eq!(
             (o.memory_bytes, o.memory_source),
             (100 * MI, Source::Config)
         );
         assert_eq!((o.cpu_millis, o.cpu_source), (200, Source::Config));
         // The pod cgroup minus the containers.
-        let o = resolve(&HashMap::new(), defaults, parent, sum).unwrap();
+        let o = resolve(&HashMap::new(), defaults, Amounts::default(), parent, sum).unwrap();
         assert_eq!(
             (o.memory_bytes, o.memory_source),
             (128 * MI, Source::PodCgroup)
         );
         assert_eq!((o.cpu_millis, o.cpu_source), (500, Source::PodCgroup));
         // Without the containers' sum the parent says nothing.
-        let o = resolve(&HashMap::new(), defaults, parent, Amounts::default()).unwrap();
+        let o = resolve(
+            &HashMap::new(),
+            defaults,
+            Amounts::default(),
+            parent,
+            Amounts::default(),
+        )
+        .unwrap();
         assert_eq!(o.memory_source, Source::Config);
         // The annotation first, per resource.
         let a = ann(&[(ANN_OVERHEAD_MEMORY, "50Mi")]);
-        let o = resolve(&a, defaults, parent, sum).unwrap();
+        let o = resolve(&a, defaults, Amounts::default(), parent, sum).unwrap();
         assert_eq!(
             (o.memory_bytes, o.memory_source),
             (50 * MI, Source::Annotation)
         );
         assert_eq!(o.cpu_source, Source::PodCgroup);
+        // The typed RuntimeClass overhead (Sandbox API) after the annotation, before the
+        // pod cgroup.
+        let typed = Amounts {
+            memory_bytes: Some(96 * MI),
+            cpu_millis: Some(250),
+        };
+        let o = resolve(&a, defaults, typed, parent, sum).unwrap();
+        assert_eq!(o.memory_source, Source::Annotation);
+        assert_eq!((o.cpu_millis, o.cpu_source), (250, Source::PodConfig));
+        let o = resolve(&HashMap::new(), defaults, typed, parent, sum).unwrap();
+        assert_eq!(
+            (o.memory_bytes, o.memory_source),
+            (96 * MI, Source::PodConfig)
+        );
         let a = ann(&[(ANN_OVERHEAD_CPU, "300m")]);
-        let o = resolve(&a, defaults, Amounts::default(), sum).unwrap();
+        let o = resolve(&a, defaults, Amounts::default(), Amounts::default(), sum).unwrap();
         assert_eq!((o.cpu_millis, o.cpu_source), (300, Source::Annotation));
         assert_eq!(o.memory_source, Source::Config);
         // Not on the allow-list: ignored.
@@ -334,10 +371,10 @@ mod tests {
             ..defaults
         };
         let a = ann(&[(ANN_OVERHEAD_MEMORY, "50Mi"), (ANN_OVERHEAD_CPU, "junk")]);
-        let o = resolve(&a, off, Amounts::default(), sum).unwrap();
+        let o = resolve(&a, off, Amounts::default(), Amounts::default(), sum).unwrap();
         assert_eq!(o.memory_source, Source::Config);
         // A bad annotation fails the pod, naming it.
-        let e = resolve(&a, defaults, Amounts::default(), sum).unwrap_err();
+        let e = resolve(&a, defaults, Amounts::default(), Amounts::default(), sum).unwrap_err();
         assert!(e.contains(ANN_OVERHEAD_CPU), "{e}");
     }
 
