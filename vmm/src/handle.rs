@@ -7,6 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use vmm_devices::bus::lock;
+use vmm_devices::virtio::balloon::Balloon;
 use vmm_devices::virtio::block::Block;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::Killable;
@@ -120,6 +121,8 @@ pub struct VmHandle {
     pub(crate) vsock_uds_path: Option<Box<Path>>,
     /// The disk slots, in `VmConfig::blocks` order.
     pub(crate) blocks: Box<[Arc<Mutex<Block>>]>,
+    /// The balloon, if the VM has one.
+    pub(crate) balloon: Option<Arc<Mutex<Balloon>>>,
     pub(crate) boot_time: Duration,
     pub(crate) started_at: Instant,
     pub(crate) vcpus: u8,
@@ -226,6 +229,11 @@ impl VmHandle {
     /// What disk slot `index` did so far (requests, bytes, errors).
     pub fn block_stats(&self, index: usize) -> Result<crate::BlockStats, VmmError> {
         Ok(lock(self.block(index)?).stats())
+    }
+
+    /// What the balloon did so far (free page reports and the bytes dropped), if the VM has one.
+    pub fn balloon_stats(&self) -> Option<crate::BalloonStats> {
+        self.balloon.as_ref().map(|b| lock(b.as_ref()).stats())
     }
 
     fn block(&self, index: usize) -> Result<&Mutex<Block>, VmmError> {

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use vmm_devices::pci::PciRoot;
+use vmm_devices::virtio::balloon::Balloon;
 use vmm_devices::virtio::block::{Access, Block};
 use vmm_devices::virtio::fs::VirtioFs;
 use vmm_devices::virtio::net::{Net, Tap};
@@ -102,6 +103,16 @@ impl Vm {
             devices.attach_virtio_device(&vm, &mem, dev.clone())?;
             blocks.push(dev);
         }
+        let balloon = match cfg.balloon {
+            Some(b) => {
+                let dev = Balloon::new(b.free_page_reporting)
+                    .map_err(|e| VmmError::Device(format!("virtio-balloon: {e}")))?;
+                let dev = Arc::new(Mutex::new(dev));
+                devices.attach_virtio_device(&vm, &mem, dev.clone())?;
+                Some(dev)
+            }
+            None => None,
+        };
 
         if !cfg.vfio.is_empty() {
             let mut vfio = crate::vfio::VfioContext::new(&vm, PCI_BAR_FIRST_SLOT)?;
@@ -219,6 +230,7 @@ impl Vm {
             running: Mutex::new(Some(running)),
             vsock_uds_path: cfg.vsock.map(|v| v.uds_path.into_boxed_path()),
             blocks: blocks.into_boxed_slice(),
+            balloon,
             boot_time,
             started_at,
             vcpus: cfg.vcpus,
