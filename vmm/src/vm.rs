@@ -21,7 +21,7 @@ use crate::boot::{self, BootError};
 use crate::config::{BlockBacking, BootProtocol, VmConfig};
 use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
-use crate::handle::{abort_start, new_running, Running, Shared, VmHandle};
+use crate::handle::{abort_start, new_running, HandleDevices, Running, Shared, VmHandle};
 use crate::kvm_vm::KvmVm;
 use crate::layout::PCI_BAR_FIRST_SLOT;
 use crate::memory::create_guest_memory;
@@ -229,8 +229,7 @@ impl Vm {
             shared,
             running: Mutex::new(Some(running)),
             vsock_uds_path: cfg.vsock.map(|v| v.uds_path.into_boxed_path()),
-            blocks: blocks.into_boxed_slice(),
-            balloon,
+            devices: Box::new(HandleDevices { blocks, balloon }),
             boot_time,
             started_at,
             vcpus: cfg.vcpus,

@@ -240,10 +240,7 @@ fn reports_outside_memory_are_refused_and_returned() {
             "across the end of the high region",
             wr(HIGH_BASE + HIGH_SIZE - 0x1000, 0x2000),
         ),
-        (
-            "at the top of the address space",
-            wr(u64::MAX & !0xfff, 0x1000),
-        ),
+        ("at the top of the address space", wr(!0xfff_u64, 0x1000)),
     ];
     for (i, (what, buf)) in cases.iter().enumerate() {
         g.send(&mut dev, REPORTING_QUEUE, &[*buf]);
@@ -258,7 +255,7 @@ fn reports_outside_memory_are_refused_and_returned() {
 #[test]
 fn overflowing_ranges_are_refused_without_panic() {
     let mem = memory();
-    let top = u64::MAX & !0xfff;
+    let top = !0xfff_u64;
     assert_eq!(
         check_range(&mem, top, 0x2000),
         Err(RangeError::Overflow {
