@@ -53,7 +53,7 @@ for arg in "$@"; do
   # sooner by run-in-l1.sh's freeze watch.)
   case "$name" in
     # #[ignore]d where make test cannot run them; here it can.
-    kvm_linux_guest) limit=180; args=(--include-ignored --test-threads=1 --color=never); env=() ;;
+    kvm_linux_guest) limit=420; args=(--include-ignored --test-threads=1 --color=never); env=() ;;
     # VFIO passthrough of QEMU's edu device (an L1 started with run-in-l1.sh --vfio): bound to
     # vfio-pci here; if that fails the test runs without the device and fails saying so.
     kvm_vfio_passthrough)

@@ -71,6 +71,10 @@ pub struct Config {
     pub cgroup: CgroupSettings,
     /// Device plugins' devices (docs/devices.md).
     pub devices: DevicesSettings,
+    /// Whether each pod's VM gets a virtio-balloon on which the guest reports the memory it
+    /// frees, so the host takes those pages back (docs/virtio-balloon.md). Pods with VFIO
+    /// devices never get it.
+    pub free_page_reporting: bool,
 }
 
 /// Settings of the pod's host cgroup (`[cgroup]`; `resources::cgroup`).
@@ -166,6 +170,7 @@ impl Default for Config {
             qemu: QemuSettings::default(),
             cgroup: CgroupSettings::default(),
             devices: DevicesSettings::default(),
+            free_page_reporting: true,
         }
     }
 }
@@ -271,6 +276,9 @@ mod tests {
         assert_eq!(c.default_vcpus, 2);
         assert_eq!(c.qemu.binary, PathBuf::from("/opt/qemu"));
         assert_eq!(c.default_memory_mib, 256);
+        assert!(c.free_page_reporting, "on by default");
+        let c = Config::parse("free_page_reporting = false\n").unwrap();
+        assert!(!c.free_page_reporting);
         let c = Config::parse("[cgroup]\nenabled = false\noverhead_memory_mib = 64\n").unwrap();
         assert!(!c.cgroup.enabled);
         assert_eq!(c.cgroup.overhead_memory_mib, 64);

@@ -5,8 +5,9 @@
 //! in it, its limits follow the rule (VM + overhead, capped by the pod cgroup) with the overhead
 //! from each source once (the pod cgroup, an annotation, the config), a memory hog in the guest
 //! is OOM-killed in the guest while the VMM lives on, the sandbox's Stats show the host cgroup
-//! next to the guest, Update resizes it, and nothing is left after removal, after kill -9 of
-//! the shim, or after a boot that failed.
+//! next to the guest, Update resizes it, memory the guest frees leaves it again (free page
+//! reporting), and nothing is left after removal, after kill -9 of the shim, or after a boot
+//! that failed.
 //!
 //! The backend is `MICROVM_TEST_HYPERVISOR` (QEMU by default; the nested lane runs it on the
 //! embedded VMM: docs/nested-lane.md). Needs root, containerd, QEMU and vhost-device-vsock
@@ -521,6 +522,108 @@ async fn the_pod_lives_in_its_host_cgroup_sized_from_the_pod_cgroup() {
             "{name} ({pid}) outlived its pod"
         );
     }
+    remove_and_check(&ctrd, &cri, &pod, &pc).await;
+}
+
+/// The host cgroup's memory charge (v2 `memory.current`, v1 `memory.usage_in_bytes`).
+fn host_memory(rel: &str) -> u64 {
+    let file = if unified() {
+        "memory.current"
+    } else {
+        "memory.usage_in_bytes"
+    };
+    read(&controller_dir("memory", rel).join(file))
+        .parse()
+        .unwrap()
+}
+
+/// Polls the host cgroup's charge until `done` holds of it; returns the last reading, which
+/// the caller checks (the bound is a liveness bound, not a timing target).
+async fn poll_host_memory(rel: &str, bound: Duration, done: impl Fn(u64) -> bool) -> u64 {
+    let deadline = Instant::now() + bound;
+    loop {
+        let now = host_memory(rel);
+        if done(now) || Instant::now() > deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Free page reporting (docs/virtio-balloon.md): a container holds 160 MiB of the guest's
+/// memory, and the pod's host cgroup is charged for most of it; once the container is stopped
+/// and its memory freed in the guest, the guest reports the free blocks on the balloon, the
+/// backend drops their host pages, and the charge comes back down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_the_guest_frees_leaves_the_pods_host_cgroup() {
+    const FILL: u64 = 160 * MI;
+    let _serial = SERIAL.lock().await;
+    let (_dir, ctrd, cri) = start_cgroup_containerd(None).await;
+    let pc = PodCgroup::create(&ctrd, "free", Some(1024 * MI), Some(2000));
+    let pod = run_pod_in(
+        &ctrd,
+        &cri,
+        "free-pod",
+        &pc,
+        Some((256 * MI, 1000)),
+        HashMap::new(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let rel = pc.host_cgroup(&pod.id);
+    let idle = host_memory(&rel);
+
+    // busybox tail keeps its whole input until EOF: 160 MiB without a newline, held while the
+    // writer sleeps.
+    let filler = cri
+        .create_container(
+            &pod,
+            container_config(
+                "filler",
+                BUSYBOX_IMAGE,
+                &[
+                    "sh",
+                    "-c",
+                    &format!("(head -c {FILL} /dev/zero; sleep 3600) | tail"),
+                ],
+            ),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&filler).await.unwrap();
+    let held = poll_host_memory(&rel, Duration::from_secs(180), |m| m >= idle + FILL * 3 / 4).await;
+    assert!(
+        held >= idle + FILL * 3 / 4,
+        "the host cgroup holds {} MiB with {} MiB held in the guest (idle: {} MiB)",
+        held / MI,
+        FILL / MI,
+        idle / MI
+    );
+
+    cri.stop_container(&filler, 0)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let freed = poll_host_memory(&rel, Duration::from_secs(180), |m| {
+        held.saturating_sub(m) >= FILL / 2
+    })
+    .await;
+    eprintln!(
+        "host cgroup of {}: idle {} MiB, {} MiB held in the guest: {} MiB, after the free: {} MiB",
+        pod.id,
+        idle / MI,
+        FILL / MI,
+        held / MI,
+        freed / MI
+    );
+    assert!(
+        held.saturating_sub(freed) >= FILL / 2,
+        "the host cgroup still holds {} MiB after the guest freed {} MiB (held: {} MiB)\n\
+         containerd log:\n{}",
+        freed / MI,
+        FILL / MI,
+        held / MI,
+        ctrd.log_tail()
+    );
     remove_and_check(&ctrd, &cri, &pod, &pc).await;
 }
 

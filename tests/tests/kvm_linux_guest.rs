@@ -248,3 +248,162 @@ fn linux_guest_sees_virtio_blk_disks_and_a_hot_attach() {
     handle.stop();
     handle.wait().expect("the VM ends cleanly");
 }
+
+/// An initramfs (newc cpio) of busybox and `/init` = `script`: enough for a guest that runs a
+/// shell script, without the agent.
+fn busybox_initrd(script: &str) -> tempfile::NamedTempFile {
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (Debian busybox-static)");
+    let mut cpio = Vec::new();
+    let mut ino = 1u32;
+    let mut entry = |name: &str, mode: u32, data: &[u8]| {
+        let namesize = name.len() + 1;
+        let fields = [
+            ino,
+            mode,
+            0,
+            0,
+            1,
+            0,
+            u32::try_from(data.len()).expect("fits a cpio entry"),
+            0,
+            0,
+            0,
+            0,
+            u32::try_from(namesize).expect("short name"),
+            0,
+        ];
+        ino += 1;
+        cpio.extend_from_slice(b"070701");
+        for f in fields {
+            cpio.extend_from_slice(format!("{f:08x}").as_bytes());
+        }
+        cpio.extend_from_slice(name.as_bytes());
+        cpio.push(0);
+        cpio.resize(cpio.len().next_multiple_of(4), 0);
+        cpio.extend_from_slice(data);
+        cpio.resize(cpio.len().next_multiple_of(4), 0);
+    };
+    for dir in ["bin", "dev", "proc", "tmp"] {
+        entry(dir, 0o040755, b"");
+    }
+    entry("bin/busybox", 0o100755, &busybox);
+    entry("init", 0o100755, script.as_bytes());
+    entry("TRAILER!!!", 0, b"");
+    let f = tempfile::NamedTempFile::new().expect("a temp file");
+    std::fs::write(f.path(), &cpio).expect("write the initrd");
+    f
+}
+
+/// What the guest of the balloon tests fills and frees, in MiB.
+const FILL_MIB: u64 = 256;
+
+/// Boots our kernel with a busybox `/init` that fills a tmpfs with [`FILL_MIB`] MiB, says so,
+/// waits, removes the file and says so; returns the VM (stopped by the caller), its console and
+/// the guest RAM's host RSS once it was filled.
+fn boot_fill_and_free(
+    balloon: Option<vmm::BalloonConfig>,
+) -> (vmm::VmHandle, Console, u64, tempfile::NamedTempFile) {
+    let (kernel, _initrd) = artifacts_or_fail();
+    let memory_mib = 512;
+    let initrd = busybox_initrd(&format!(
+        "#!/bin/busybox sh\n\
+         B=/bin/busybox\n\
+         $B mount -t proc proc /proc\n\
+         $B mount -t devtmpfs devtmpfs /dev\n\
+         $B mount -t tmpfs -o size=400m tmpfs /tmp\n\
+         $B dd if=/dev/zero of=/tmp/fill bs=1M count={FILL_MIB} 2>/dev/null\n\
+         $B echo balloon-test: filled $($B grep MemFree /proc/meminfo)\n\
+         $B sleep 10\n\
+         $B rm /tmp/fill\n\
+         $B echo balloon-test: freed $($B grep MemFree /proc/meminfo)\n\
+         exec $B sleep 100000\n"
+    ));
+    let console = Console::default();
+    let mut cfg = vmm::VmConfig::new(kernel);
+    cfg.memory_mib = memory_mib;
+    cfg.initrd = Some(initrd.path().to_path_buf());
+    cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
+    cfg.serial = vmm::SerialSink::Writer(Box::new(console.clone()));
+    cfg.balloon = balloon;
+    let handle = vmm::Vm::start(cfg).expect("the VM starts");
+    wait_for(&console, "balloon-test: filled", Duration::from_secs(180));
+    let filled = guest_rss(memory_mib);
+    assert!(
+        filled >= FILL_MIB << 20,
+        "the guest filled {FILL_MIB} MiB but its RAM holds {} MiB on the host; console:\n{}",
+        filled >> 20,
+        console.text()
+    );
+    wait_for(&console, "balloon-test: freed", Duration::from_secs(60));
+    (handle, console, filled, initrd)
+}
+
+/// The host RSS of this process's guest RAM (one VM of `memory_mib`), in bytes.
+fn guest_rss(memory_mib: u64) -> u64 {
+    microvm_tests::lifecycle::guest_ram_split_of(std::process::id() as i32, memory_mib << 20)
+        .expect("the guest RAM in /proc/self/smaps")
+        .guest_rss
+}
+
+/// Free page reporting: the guest frees 256 MiB it had filled, reports the free blocks on the
+/// balloon, and the VMM's guest RAM shrinks on the host by most of it. The poll bound is a
+/// liveness bound (the guest reports 2 s after freeing), not a timing target.
+#[test]
+#[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
+fn linux_guest_gives_freed_memory_back_through_the_balloon() {
+    let (handle, console, filled, _initrd) = boot_fill_and_free(Some(vmm::BalloonConfig {
+        free_page_reporting: true,
+    }));
+    let want_back = (FILL_MIB * 3 / 4) << 20;
+    let end = std::time::Instant::now() + Duration::from_secs(120);
+    let mut now = guest_rss(512);
+    while filled.saturating_sub(now) < want_back && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(500));
+        now = guest_rss(512);
+    }
+    let stats = handle.balloon_stats().expect("the VM has a balloon");
+    eprintln!(
+        "balloon: guest RAM RSS {} MiB filled, {} MiB after the free; {stats:?}",
+        filled >> 20,
+        now >> 20
+    );
+    assert!(
+        filled.saturating_sub(now) >= want_back,
+        "guest RAM RSS {} MiB filled, still {} MiB after the guest freed {FILL_MIB} MiB; \
+         {stats:?}; console:\n{}",
+        filled >> 20,
+        now >> 20,
+        console.text()
+    );
+    assert!(stats.reported_bytes >= want_back, "{stats:?}");
+    assert_eq!(
+        stats.refused, 0,
+        "our guest's reports are all valid: {stats:?}"
+    );
+    handle.stop();
+    handle.wait().expect("the VM ends cleanly");
+}
+
+/// The control: the same guest without the balloon keeps what it freed resident on the host
+/// (nothing else gives guest memory back), so the drop above is the balloon's doing.
+#[test]
+#[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
+fn linux_guest_without_balloon_keeps_freed_memory_resident() {
+    let (handle, _console, filled, _initrd) = boot_fill_and_free(None);
+    assert!(handle.balloon_stats().is_none());
+    std::thread::sleep(Duration::from_secs(10));
+    let now = guest_rss(512);
+    eprintln!(
+        "no balloon: guest RAM RSS {} MiB filled, {} MiB 10 s after the free",
+        filled >> 20,
+        now >> 20
+    );
+    assert!(
+        now + (16 << 20) >= filled,
+        "RSS fell from {} to {} MiB without a balloon",
+        filled >> 20,
+        now >> 20
+    );
+    handle.stop();
+    handle.wait().expect("the VM ends cleanly");
+}

@@ -90,6 +90,15 @@ pub struct NetConfig {
     pub mtu: Option<u16>,
 }
 
+/// The virtio-balloon device (docs/virtio-balloon.md). Its `num_pages` stays 0: the host never
+/// asks the guest for memory; the device is there for what the guest gives back by itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BalloonConfig {
+    /// Offer free page reporting: the guest reports the blocks its allocator holds free and the
+    /// VMM drops their host pages (`MADV_DONTNEED`), so freed guest memory returns to the host.
+    pub free_page_reporting: bool,
+}
+
 /// How the boot vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BootProtocol {
@@ -169,6 +178,9 @@ pub struct VmConfig {
     /// Host PCI devices passed through on the guest's PCI bus 0 (a PCI root exists only when
     /// this is not empty).
     pub vfio: Vec<VfioConfig>,
+    /// A virtio-balloon device, after the disks (not with `vfio`: a device's DMA goes to the
+    /// pages the IOMMU pinned, which dropping would take from the guest).
+    pub balloon: Option<BalloonConfig>,
 }
 
 impl VmConfig {
@@ -186,6 +198,7 @@ impl VmConfig {
             nets: Vec::new(),
             blocks: Vec::new(),
             vfio: Vec::new(),
+            balloon: None,
             boot_protocol: BootProtocol::Auto,
             boot_files: BootFiles::Map,
         }
@@ -276,6 +289,13 @@ impl VmConfig {
         for (i, b) in self.blocks.iter().enumerate() {
             vmm_devices::virtio::block::validate_serial(&b.serial)
                 .map_err(|e| VmmError::Config(format!("disk {i}: {e}")))?;
+        }
+        if self.balloon.is_some() && !self.vfio.is_empty() {
+            return Err(VmmError::Config(
+                "a balloon cannot be combined with VFIO devices: their DMA goes to pinned guest \
+                 pages that dropping would take from the guest"
+                    .into(),
+            ));
         }
         for v in &self.vfio {
             // The IOMMU group link says the device exists and the kernel gave it a group.
@@ -485,5 +505,20 @@ mod tests {
             "{e}"
         );
         drop(k);
+    }
+
+    #[test]
+    fn a_balloon_is_refused_beside_vfio_devices() {
+        let (mut c, _k) = cfg_with_kernel();
+        c.balloon = Some(BalloonConfig {
+            free_page_reporting: true,
+        });
+        c.validate().unwrap();
+        // The balloon check comes before the devices' own, so any path shows it.
+        c.vfio = vec![VfioConfig {
+            sysfs_path: "/nonexistent/0000:00:04.0".into(),
+        }];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("balloon") && e.contains("VFIO"), "{e}");
     }
 }

@@ -7,6 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use vmm_devices::bus::lock;
+use vmm_devices::virtio::balloon::Balloon;
 use vmm_devices::virtio::block::Block;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::Killable;
@@ -111,6 +112,14 @@ impl Running {
     }
 }
 
+/// The devices a [`VmHandle`] works on after the start.
+pub(crate) struct HandleDevices {
+    /// The disk slots, in `VmConfig::blocks` order.
+    pub(crate) blocks: Vec<Arc<Mutex<Block>>>,
+    /// The balloon, if the VM has one.
+    pub(crate) balloon: Option<Arc<Mutex<Balloon>>>,
+}
+
 /// A running VM. Dropping it stops the VM and releases everything.
 pub struct VmHandle {
     pub(crate) shared: Arc<Shared>,
@@ -118,8 +127,8 @@ pub struct VmHandle {
     // Boxed slices rather than Vec/String/PathBuf: the shim keeps the handle inline in an enum
     // (clippy's large_enum_variant), so the handle stays at its old size.
     pub(crate) vsock_uds_path: Option<Box<Path>>,
-    /// The disk slots, in `VmConfig::blocks` order.
-    pub(crate) blocks: Box<[Arc<Mutex<Block>>]>,
+    /// The devices the handle reaches while the VM runs (one pointer, for the same reason).
+    pub(crate) devices: Box<HandleDevices>,
     pub(crate) boot_time: Duration,
     pub(crate) started_at: Instant,
     pub(crate) vcpus: u8,
@@ -228,13 +237,22 @@ impl VmHandle {
         Ok(lock(self.block(index)?).stats())
     }
 
+    /// What the balloon did so far (free page reports and the bytes dropped), if the VM has one.
+    pub fn balloon_stats(&self) -> Option<crate::BalloonStats> {
+        self.devices
+            .balloon
+            .as_ref()
+            .map(|b| lock(b.as_ref()).stats())
+    }
+
     fn block(&self, index: usize) -> Result<&Mutex<Block>, VmmError> {
-        self.blocks
+        self.devices
+            .blocks
             .get(index)
             .map(|b| &**b)
             .ok_or(VmmError::NoBlockSlot {
                 index,
-                count: self.blocks.len(),
+                count: self.devices.blocks.len(),
             })
     }
 

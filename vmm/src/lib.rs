@@ -24,12 +24,14 @@ pub mod vfio;
 mod vm;
 
 pub use config::{
-    BlockBacking, BlockConfig, BootFiles, BootProtocol, NetConfig, SerialSink, SharedFsConfig,
-    VfioConfig, VmConfig, VsockConfig,
+    BalloonConfig, BlockBacking, BlockConfig, BootFiles, BootProtocol, NetConfig, SerialSink,
+    SharedFsConfig, VfioConfig, VmConfig, VsockConfig,
 };
 pub use error::VmmError;
 pub use handle::VmHandle;
 pub use vm::Vm;
+/// What the balloon did ([`VmHandle::balloon_stats`]).
+pub use vmm_devices::virtio::balloon::BalloonStats;
 /// What a disk slot did ([`VmHandle::block_stats`]).
 pub use vmm_devices::virtio::block::BlockStats;
 /// Opens a tap for a [`NetConfig`] in the calling thread's network namespace.

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use vmm_devices::pci::PciRoot;
+use vmm_devices::virtio::balloon::Balloon;
 use vmm_devices::virtio::block::{Access, Block};
 use vmm_devices::virtio::fs::VirtioFs;
 use vmm_devices::virtio::net::{Net, Tap};
@@ -22,7 +23,7 @@ use crate::boot::{self, BootError};
 use crate::config::{BlockBacking, BootProtocol, VmConfig};
 use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
-use crate::handle::{abort_start, new_running, Running, Shared, VmHandle};
+use crate::handle::{abort_start, new_running, HandleDevices, Running, Shared, VmHandle};
 use crate::kvm_vm::KvmVm;
 use crate::layout::{pci_intx_gsis, PCI_BAR_FIRST_SLOT};
 use crate::memory::create_guest_memory;
@@ -139,6 +140,16 @@ impl Vm {
             devices.attach_virtio_device(&vm, &mem, dev.clone())?;
             blocks.push(dev);
         }
+        let balloon = match cfg.balloon {
+            Some(b) => {
+                let dev = Balloon::new(b.free_page_reporting)
+                    .map_err(|e| VmmError::Device(format!("virtio-balloon: {e}")))?;
+                let dev = Arc::new(Mutex::new(dev));
+                devices.attach_virtio_device(&vm, &mem, dev.clone())?;
+                Some(dev)
+            }
+            None => None,
+        };
 
         // With a PCI root: the INTx pins routed to IOAPIC pins, for the MP table.
         let mut pci_irqs: Option<Vec<mptable::PciInterrupt>> = None;
@@ -260,7 +271,7 @@ impl Vm {
             shared,
             running: Mutex::new(Some(running)),
             vsock_uds_path: cfg.vsock.map(|v| v.uds_path.into_boxed_path()),
-            blocks: blocks.into_boxed_slice(),
+            devices: Box::new(HandleDevices { blocks, balloon }),
             boot_time,
             started_at,
             vcpus: cfg.vcpus,

@@ -79,6 +79,10 @@ pub struct GuestSpec {
     pub vfio: Vec<PathBuf>,
     /// Embedded VMM: kernel and initrd mapped from their files (the default) or copied.
     pub boot_files: vmm::BootFiles,
+    /// A virtio-balloon on which the guest reports its free memory, whose host pages are then
+    /// dropped (docs/virtio-balloon.md). Left out when `vfio` is not empty: the pages a device
+    /// DMAs into are pinned, and dropping them would take them from the guest.
+    pub free_page_reporting: bool,
 }
 
 /// A virtio-blk disk of the guest; the guest finds it by its serial
@@ -157,7 +161,13 @@ impl GuestSpec {
             disks: Vec::new(),
             vfio: Vec::new(),
             boot_files: vmm::BootFiles::Map,
+            free_page_reporting: false,
         }
+    }
+
+    /// Whether the VM gets the balloon: asked for, and no VFIO device.
+    fn wants_balloon(&self) -> bool {
+        self.free_page_reporting && self.vfio.is_empty()
     }
 
     /// Words this spec adds to the kernel command line.
@@ -455,6 +465,9 @@ impl GuestVm {
                 sysfs_path: sysfs_path.clone(),
             })
             .collect();
+        cfg.balloon = spec.wants_balloon().then_some(vmm::BalloonConfig {
+            free_page_reporting: true,
+        });
         for d in &spec.disks {
             let backing = match &d.backing {
                 DiskBacking::Empty { read_only } => vmm::BlockBacking::Empty {
@@ -500,6 +513,7 @@ impl GuestVm {
                 "VFIO devices on the QEMU backend",
             ));
         }
+        cfg.free_page_reporting = spec.wants_balloon();
         cfg.disks = spec
             .disks
             .iter()
@@ -667,6 +681,16 @@ mod tests {
         );
         assert_eq!(spec(None, Some(&"x".repeat(65))).cmdline_extra(), "");
         assert_eq!(spec(None, Some("")).cmdline_extra(), "");
+    }
+
+    #[test]
+    fn the_balloon_is_left_out_beside_vfio_devices() {
+        let mut s = spec(None, None);
+        assert!(!s.wants_balloon(), "off unless asked");
+        s.free_page_reporting = true;
+        assert!(s.wants_balloon());
+        s.vfio = vec!["/sys/bus/pci/devices/0000:00:04.0".into()];
+        assert!(!s.wants_balloon());
     }
 
     #[test]

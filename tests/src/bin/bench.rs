@@ -18,7 +18,9 @@
 //! `microvm` handlers, `BENCH_PODS` (default 10) timed pod lifecycles each, interleaved, and the
 //! host memory of each idle pod; lines `NAME ours=… runc=… ratio=…` with the VM backend and
 //! accelerator, and the issue's targets; on the embedded VMM also the idle pod's guest RAM and
-//! the shim's own memory. The backend is the one `microvm check-host` picks, or
+//! the shim's own memory. `BENCH_IDLE_SECS` (default 1) is how long after StartContainer the
+//! idle memory is read; `BENCH_FREE_PAGE_REPORTING=0` gives the pods no balloon
+//! (docs/virtio-balloon.md), to measure what it gives back. The backend is the one `microvm check-host` picks, or
 //! `BENCH_HYPERVISOR=kvm|qemu` (kvm where check-host says it cannot boot is an error).
 //!
 //! Then the pod network (needs root; see `net_bench`): a `microvm` and a `runc` pod on another
@@ -647,6 +649,8 @@ struct PodSetup {
     guest_base_mib: u64,
     /// The shim's `boot_files` (`BENCH_BOOT_FILES`).
     boot_files: shim::config::BootFiles,
+    /// The shim's `free_page_reporting` (the balloon, docs/virtio-balloon.md).
+    free_page_reporting: bool,
     // Fields drop in order: the CRI client before its containerd.
     cri: CriClient,
     ctrd: PrivateContainerd,
@@ -700,6 +704,11 @@ impl PodSetup {
             std::fs::write(&config, text)
                 .with_context(|| format!("writing {}", config.display()))?;
         }
+        if std::env::var("BENCH_FREE_PAGE_REPORTING").as_deref() == Ok("0") {
+            let mut text = std::fs::read_to_string(&config).context("reading the shim config")?;
+            text.insert_str(0, "free_page_reporting = false\n");
+            std::fs::write(&config, text).context("writing the shim config")?;
+        }
         let shim_config = shim::config::Config::load(Some(&config))
             .with_context(|| format!("reading back the shim config {}", config.display()))?;
         let vm_size = shim::sandbox::spec::vm_size(&shim_config, &HashMap::new())
@@ -722,6 +731,7 @@ impl PodSetup {
             vm_size,
             guest_base_mib: shim_config.guest_base_memory_mib,
             boot_files: shim_config.boot_files,
+            free_page_reporting: shim_config.free_page_reporting,
             cri,
             ctrd,
             config_dir,
@@ -760,14 +770,19 @@ async fn pod_bench() -> Result<()> {
         embedded_accel,
         vm_size,
         guest_base_mib,
+        free_page_reporting,
         cri,
         ctrd,
         config_dir: _config_dir,
         ..
     } = PodSetup::start().await?;
 
+    let idle_secs: u64 = std::env::var("BENCH_IDLE_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
     let ours_opts = LifecycleOptions {
-        idle_memory_after: Some(Duration::from_secs(1)),
+        idle_memory_after: Some(Duration::from_secs(idle_secs)),
         tolerate_exec_failure: true,
         split_guest_ram_of: backend.embedded().then_some(vm_size.memory_mib << 20),
     };
@@ -885,11 +900,13 @@ async fn pod_bench() -> Result<()> {
     println!(
         "# pods through CRI on a private containerd: {pods} lifecycles per handler, interleaved, \
          medians; ours = the microvm handler: backend {} accel {accel} ({}), guest {} vCPU \
-         {} MiB; ExecSync uname -r: {guest_kernel} in our pods, {host_kernel} in runc's",
+         {} MiB, free page reporting {}; idle memory read {idle_secs} s after StartContainer; \
+         ExecSync uname -r: {guest_kernel} in our pods, {host_kernel} in runc's",
         backend.label(),
         backend.why,
         vm_size.vcpus,
-        vm_size.memory_mib
+        vm_size.memory_mib,
+        if free_page_reporting { "on" } else { "off" }
     );
     if pods < MIN_PODS {
         println!("# only {pods} pods per handler (BENCH_PODS): too few for trustworthy medians (>= {MIN_PODS})");

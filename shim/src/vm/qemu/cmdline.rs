@@ -118,6 +118,11 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
             &device,
         ]);
     }
+    if cfg.free_page_reporting {
+        // After the disks, as in the embedded VMM. QEMU punches the reported ranges out of the
+        // memfd (fallocate), so vhost-device-vsock's and virtiofsd's views drop them too.
+        push(&["-device", "virtio-balloon-device,free-page-reporting=on"]);
+    }
     push(&[
         "-serial", &serial, "-kernel", &kernel, "-initrd", &initrd, "-append", cmdline,
     ]);

@@ -44,6 +44,9 @@ pub struct QemuConfig {
     pub nics: Vec<QemuNic>,
     /// virtio-blk disks, in order (vda first).
     pub disks: Vec<QemuDisk>,
+    /// A virtio-balloon with free page reporting (`free-page-reporting=on`): QEMU drops the
+    /// pages the guest reports free (docs/virtio-balloon.md).
+    pub free_page_reporting: bool,
 }
 
 /// A virtio-blk disk on a host file or block device the caller opened; QEMU gets a copy as fd
@@ -121,6 +124,7 @@ impl QemuConfig {
             shared_fs: None,
             nics: Vec::new(),
             disks: Vec::new(),
+            free_page_reporting: false,
             virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
         }
     }

@@ -714,6 +714,26 @@ mod tests {
     }
 
     #[test]
+    fn free_page_reporting_adds_the_balloon_after_the_disks() {
+        let dir = temp_dir("balloon");
+        let mut cfg = cfg_in(&dir);
+        cfg.validate().unwrap();
+        let paths = VmPaths::new(&cfg).unwrap();
+        let balloon = "-device virtio-balloon-device,free-page-reporting=on";
+        let args = qemu_args(&cfg, &paths, "console=ttyS0").join(" ");
+        assert!(!args.contains("virtio-balloon"), "{args}");
+        cfg.free_page_reporting = true;
+        let args = qemu_args(&cfg, &paths, "console=ttyS0").join(" ");
+        assert!(args.contains(balloon), "{args}");
+        assert!(
+            args.find(balloon) < args.find("-serial"),
+            "before the console and kernel: {args}"
+        );
+        paths.remove_all();
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn commas_in_paths_are_escaped() {
         assert_eq!(qemu_opt_escape(Path::new("/a,b/s")), "/a,,b/s");
     }

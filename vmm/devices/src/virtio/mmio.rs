@@ -338,8 +338,9 @@ impl MmioTransport {
     }
 
     fn activate(&mut self) -> Result<(), ActivateError> {
-        let mut queues = Vec::with_capacity(self.queues.len());
-        for (index, q) in self.queues.iter().enumerate() {
+        let in_use = lock(&self.device).queues_in_use().min(self.queues.len());
+        let mut queues = Vec::with_capacity(in_use);
+        for (index, q) in self.queues.iter().take(in_use).enumerate() {
             if !q.is_valid(&self.mem) {
                 return Err(ActivateError::InvalidQueue {
                     index,

@@ -9,6 +9,7 @@
 //! Threads: the transport runs on vCPU threads (register accesses), the device's event handling
 //! on the single device event-loop thread; the device is shared between them as `Arc<Mutex<_>>`.
 
+pub mod balloon;
 pub mod block;
 pub mod fs;
 pub mod mmio;
@@ -40,6 +41,8 @@ pub mod device_type {
     pub const NET: u32 = 1;
     /// virtio-blk.
     pub const BLOCK: u32 = 2;
+    /// virtio-balloon.
+    pub const BALLOON: u32 = 5;
     /// virtio-vsock.
     pub const VSOCK: u32 = 19;
     /// virtio-fs.
@@ -125,6 +128,12 @@ pub trait VirtioDevice: Send {
     fn avail_features(&self) -> u64;
     /// The features the driver accepted (a subset of the offered ones; the transport checks).
     fn set_acked_features(&mut self, features: u64);
+    /// How many of the queues (the first ones, in order) the driver sets up with the features
+    /// it accepted: a queue that exists only with a feature (e.g. the balloon's reporting queue)
+    /// is absent without it. The transport activates the device with these and ignores the rest.
+    fn queues_in_use(&self) -> usize {
+        self.queue_max_sizes().len()
+    }
     /// A read of the device-specific config space. Out-of-range bytes read as zero.
     fn read_config(&self, offset: u64, data: &mut [u8]);
     /// A write to the device-specific config space. Out-of-range writes are ignored.
