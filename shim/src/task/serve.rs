@@ -33,6 +33,8 @@ use crate::task::shim::{shim_config, MicrovmShim, RUNTIME_ID};
 
 /// The environment variable containerd gives its ttrpc address (events) in.
 const TTRPC_ADDRESS_ENV: &str = "TTRPC_ADDRESS";
+/// Time for the reply of the call that ended the shim to leave before the server closes.
+const REPLY_GRACE: Duration = Duration::from_millis(200);
 /// How long a daemon whose socket is taken waits for the shim on it to answer.
 const SOCKET_IN_USE_WAIT: Duration = Duration::from_secs(1);
 
@@ -130,6 +132,10 @@ async fn daemon(
     );
     shim.wait().await;
     log::info!("shutting down the shim");
+    // The call that let the shim go (Shutdown, ShutdownSandbox) is still answering: ttrpc's
+    // shutdown closes the connections without waiting for replies in flight, and containerd
+    // 2.x's RemovePodSandbox fails on a ShutdownSandbox answered with `ttrpc: closed`.
+    tokio::time::sleep(REPLY_GRACE).await;
     if let Err(e) = server.shutdown().await {
         log::warn!("stopping the ttrpc server: {e}");
     }
