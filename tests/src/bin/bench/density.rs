@@ -160,6 +160,19 @@ fn measure_pod(
 
 /// Stops and removes `ids` (at most [`LONG_RUN_PARALLEL`] at once), then waits until each has
 /// left nothing; returns what is left or failed.
+/// The pods `ids` (every pod started, running or not) with the netns of those that ran, for
+/// [`remove_pods`].
+fn removal_list(pods: &[DensityPod], ids: Vec<String>) -> Vec<(String, Option<PathBuf>)> {
+    let netns: HashMap<&str, &Option<PathBuf>> =
+        pods.iter().map(|p| (p.pod_id.as_str(), &p.netns)).collect();
+    ids.into_iter()
+        .map(|id| {
+            let ns = netns.get(id.as_str()).and_then(|ns| (*ns).clone());
+            (id, ns)
+        })
+        .collect()
+}
+
 async fn remove_pods(setup: &PodSetup, pods: Vec<(String, Option<PathBuf>)>) -> Vec<String> {
     let mut problems = Vec::new();
     for chunk in pods.chunks(LONG_RUN_PARALLEL) {
@@ -264,10 +277,6 @@ async fn run_group(setup: &PodSetup, handler: &'static str, n: usize) -> Result<
     let t = Instant::now();
     let (pods, ids, failure) = start_together(setup, handler, n).await?;
     let started_in = t.elapsed();
-    let netns: HashMap<String, Option<PathBuf>> = pods
-        .iter()
-        .map(|p| (p.pod_id.clone(), p.netns.clone()))
-        .collect();
     let measured = match failure {
         Some(e) => Err(with_log(
             &setup.ctrd,
@@ -304,13 +313,7 @@ async fn run_group(setup: &PodSetup, handler: &'static str, n: usize) -> Result<
             }
         }
     };
-    let to_remove = ids
-        .into_iter()
-        .map(|id| {
-            let ns = netns.get(&id).cloned().flatten();
-            (id, ns)
-        })
-        .collect();
+    let to_remove = removal_list(&pods, ids);
     let problems = remove_pods(setup, to_remove).await;
     let group = measured?;
     if !problems.is_empty() {
@@ -511,17 +514,7 @@ async fn long_run(setup: &PodSetup, max: usize) -> Result<()> {
         mib(available),
         mib(total)
     );
-    let netns: HashMap<String, Option<PathBuf>> = pods
-        .iter()
-        .map(|p| (p.pod_id.clone(), p.netns.clone()))
-        .collect();
-    let to_remove = ids
-        .into_iter()
-        .map(|id| {
-            let ns = netns.get(&id).cloned().flatten();
-            (id, ns)
-        })
-        .collect();
+    let to_remove = removal_list(&pods, ids);
     let problems = remove_pods(setup, to_remove).await;
     if let Some(e) = measure_error {
         return Err(e);
