@@ -192,9 +192,42 @@ impl Proc {
     }
 }
 
+/// Whether a container's init has a PID namespace of its own. The kernel ends every process of
+/// a namespace when its init exits; an init that shares one (the pod's, another container's, the
+/// agent's) leaves its children running, holding the container's output open. Those are killed
+/// when the init exits, as runc's shim does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PidNamespace {
+    Own,
+    Shared,
+}
+
+impl PidNamespace {
+    /// A `pid` entry without a path makes a new namespace; a path joins one; no entry at all
+    /// stays in the agent's.
+    fn of(spec: &Spec) -> Self {
+        let own = spec
+            .linux()
+            .as_ref()
+            .and_then(|l| l.namespaces().as_ref())
+            .is_some_and(|namespaces| {
+                namespaces.iter().any(|ns| {
+                    ns.typ() == LinuxNamespaceType::Pid
+                        && ns.path().as_ref().is_none_or(|p| p.as_os_str().is_empty())
+                })
+            });
+        if own {
+            Self::Own
+        } else {
+            Self::Shared
+        }
+    }
+}
+
 struct Entry {
     runtime: Mutex<Container>,
     init: Arc<Proc>,
+    pid_namespace: PidNamespace,
     execs: Mutex<HashMap<String, Arc<Proc>>>,
     bundle: PathBuf,
     /// The container's seccomp filter, for its execs.
@@ -541,6 +574,7 @@ impl Containers {
         let entry = Arc::new(Entry {
             runtime: Mutex::new(container),
             init,
+            pid_namespace: PidNamespace::of(spec),
             execs: Mutex::new(HashMap::new()),
             bundle: bundle.to_owned(),
             seccomp: spec.linux().as_ref().and_then(|l| l.seccomp().clone()),
@@ -817,6 +851,30 @@ impl Containers {
             })
     }
 
+    /// Container `id`'s init has exited (its exit was reaped). If it shared its PID namespace,
+    /// what it left running in the container is killed, so that the container's output streams
+    /// end and nothing outlives it.
+    pub fn init_exited(&self, id: &str) {
+        let Ok(entry) = self.entry(id) else {
+            return;
+        };
+        if entry.pid_namespace == PidNamespace::Own {
+            return;
+        }
+        let killed = entry
+            .runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .kill(nix::sys::signal::Signal::SIGKILL, true);
+        match killed {
+            Ok(()) => log::info!(
+                "container {id}: its init shared a PID namespace and exited; the processes it left \
+                 were killed"
+            ),
+            Err(e) => log::warn!("container {id}: killing what its init left running: {e}"),
+        }
+    }
+
     pub fn remove(&self, id: &str) -> Result<(), ContainerError> {
         let entry = self.entry(id)?;
         entry
@@ -956,6 +1014,24 @@ mod tests {
         assert!(!root.join("data").exists());
         ensure_cwd(&spec("/", "")).expect("root");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_init_owns_its_pid_namespace_only_with_a_pid_entry_without_path() {
+        let spec = |namespaces: serde_json::Value| -> Spec {
+            serde_json::from_value(serde_json::json!({
+                "ociVersion": "1.0.2",
+                "root": {"path": "/r"},
+                "linux": {"namespaces": namespaces},
+            }))
+            .unwrap()
+        };
+        let own = spec(serde_json::json!([{"type": "mount"}, {"type": "pid"}]));
+        assert_eq!(PidNamespace::of(&own), PidNamespace::Own);
+        let pod = spec(serde_json::json!([{"type": "pid", "path": "/proc/7/ns/pid"}]));
+        assert_eq!(PidNamespace::of(&pod), PidNamespace::Shared);
+        let agents = spec(serde_json::json!([{"type": "mount"}]));
+        assert_eq!(PidNamespace::of(&agents), PidNamespace::Shared);
     }
 
     #[test]

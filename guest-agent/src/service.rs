@@ -198,6 +198,7 @@ impl Agent for AgentService {
         if req.exec_id.is_empty() {
             // An OOM kill of the init is queued before the shim hears of the exit.
             self.oom.check(&req.container_id);
+            self.containers.init_exited(&req.container_id);
         }
         Ok(WaitProcessResponse {
             exit_status: status.code,

@@ -91,7 +91,23 @@ fn start_agent(name: &str) -> Option<Agent> {
     Some(Agent { child, dir, client })
 }
 
-fn spec(root: &Path, args: &[&str], terminal: bool) -> Vec<u8> {
+/// Which namespaces a test container gets: its own of each, or all but a PID namespace (it
+/// shares the agent's, as a pod's containers share the pod's).
+#[derive(Clone, Copy)]
+enum Namespaces {
+    Own,
+    SharedPid,
+}
+
+fn spec_with(root: &Path, args: &[&str], terminal: bool, namespaces: Namespaces) -> Vec<u8> {
+    let namespaces = match namespaces {
+        Namespaces::Own => serde_json::json!([
+            {"type": "pid"}, {"type": "mount"}, {"type": "ipc"}, {"type": "uts"}
+        ]),
+        Namespaces::SharedPid => {
+            serde_json::json!([{"type": "mount"}, {"type": "ipc"}, {"type": "uts"}])
+        }
+    };
     serde_json::json!({
         "ociVersion": "1.0.2",
         "root": {"path": root, "readonly": true},
@@ -113,7 +129,7 @@ fn spec(root: &Path, args: &[&str], terminal: bool) -> Vec<u8> {
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["size=1m"]},
         ],
         "linux": {
-            "namespaces": [{"type": "pid"}, {"type": "mount"}, {"type": "ipc"}, {"type": "uts"}],
+            "namespaces": namespaces,
             "maskedPaths": ["/proc/kcore"],
             "readonlyPaths": ["/proc/sys"],
         },
@@ -149,13 +165,24 @@ fn read_all(mut s: UnixStream) -> String {
 }
 
 fn create(agent: &Agent, id: &str, root: &Path, args: &[&str], terminal: bool, stdin: bool) {
+    create_with(agent, id, root, args, (terminal, stdin), Namespaces::Own)
+}
+
+fn create_with(
+    agent: &Agent,
+    id: &str,
+    root: &Path,
+    args: &[&str],
+    (terminal, stdin): (bool, bool),
+    namespaces: Namespaces,
+) {
     agent
         .client
         .create_container(
             ctx(),
             &CreateContainerRequest {
                 container_id: id.into(),
-                oci_spec_json: spec(root, args, terminal),
+                oci_spec_json: spec_with(root, args, terminal, namespaces),
                 stdio: Some(stdio(terminal, stdin)).into(),
                 ..Default::default()
             },
@@ -341,4 +368,26 @@ fn containers_stdio_exits_exec_and_tty() {
         .expect("kill");
     assert_eq!(wait(&agent, "c2", ""), 137);
     remove(&agent, "c2");
+
+    // An init sharing a PID namespace leaves a child holding its stdout when it exits: the child
+    // is killed at the exit, so the output ends (within the stream's 20 s read bound, well
+    // before the child's 100 s).
+    create_with(
+        &agent,
+        "c3",
+        &root,
+        &["sh", "-c", "sleep 100 & echo left"],
+        (false, false),
+        Namespaces::SharedPid,
+    );
+    let out = stream(&agent, "c3", "", "stdout");
+    start(&agent, "c3");
+    assert_eq!(wait(&agent, "c3", ""), 0);
+    let started = Instant::now();
+    assert_eq!(read_all(out), "left\n");
+    eprintln!(
+        "shared PID namespace: output ended {:?} after the exit",
+        started.elapsed()
+    );
+    remove(&agent, "c3");
 }

@@ -96,6 +96,14 @@ impl Attached {
         }
         true
     }
+
+    /// Ends the output copies still running: their FIFO ends close, and containerd's readers
+    /// see EOF.
+    pub fn abort_outputs(&mut self) {
+        for task in self.outputs.drain(..) {
+            task.abort();
+        }
+    }
 }
 
 /// Gives a stdin copy that no writer ever opened its FIFO for EOF (a process deleted before
@@ -337,5 +345,36 @@ mod tests {
         drop(theirs);
         t.await.unwrap().unwrap();
         assert_eq!(std::fs::read_to_string(&out).unwrap(), "line 1\nline 2\n");
+    }
+
+    /// An output copy whose process side stays open (a leftover child in the guest) holds the
+    /// FIFO; aborting it gives containerd's reader EOF after what was copied.
+    #[tokio::test]
+    async fn aborted_output_copies_release_the_fifo() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("stdout");
+        mkfifo(&fifo);
+        let mut reader = pipe::OpenOptions::new().open_receiver(&fifo).unwrap();
+        let sender = pipe::OpenOptions::new()
+            .read_write(true)
+            .open_sender(&fifo)
+            .unwrap();
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let mut copies = Attached {
+            stdin: None,
+            outputs: vec![tokio::spawn(async move {
+                let _ = copy_output(ours, sender).await;
+            })],
+        };
+        theirs.write_all(b"before\n").await.unwrap();
+        assert!(!copies.wait_outputs(Duration::from_millis(200)).await);
+        copies.abort_outputs();
+        let mut got = String::new();
+        tokio::time::timeout(Duration::from_secs(5), reader.read_to_string(&mut got))
+            .await
+            .expect("EOF once the copy is aborted")
+            .unwrap();
+        assert_eq!(got, "before\n");
+        drop(theirs);
     }
 }

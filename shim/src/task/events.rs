@@ -121,10 +121,14 @@ pub fn watch_process_exit(
             outputs,
         };
         if !copies.wait_outputs(OUTPUT_DRAIN).await {
+            // containerd waits for its FIFOs' EOF before it deletes a process: copies left
+            // running would hold them open for as long as whatever holds the guest's side.
             log::warn!(
                 "process {exec_id:?} of container {id} exited; its output streams are still \
-                 open after {OUTPUT_DRAIN:?} (a child holds them?)"
+                 open after {OUTPUT_DRAIN:?} (a child holds them?): the rest of its output is \
+                 dropped"
             );
+            copies.abort_outputs();
         }
         let exit = Exit::now(status);
         state.exited(exit);

@@ -269,7 +269,10 @@ impl Task for TaskService {
         }
         let inner = self.inner.lock().await;
         let c = inner.get(&req.id)?;
-        if c.init.exit().is_some() {
+        // After the init's exit only `all` has something left to signal (what the init left in
+        // the container), as with runc's `kill --all` of a stopped container.
+        let exited = c.init.exit().is_some();
+        if exited && !(req.all && c.is_app()) {
             return Err(Error::NotFound(format!("process of {} already finished", req.id)).into());
         }
         if req.signal == 0 {
@@ -282,11 +285,16 @@ impl Task for TaskService {
                 .map(|p| p.agent())
                 .ok_or_else(|| Error::container_not_found(&req.id))?;
             drop(inner);
-            agent
-                .signal_process(&req.id, "", req.signal, req.all)
-                .await
-                .map_err(Error::agent(format!("signalling container {}", req.id)))?;
-            return Ok(api::Empty::new());
+            let signalled = agent.signal_process(&req.id, "", req.signal, req.all).await;
+            return match signalled {
+                Ok(()) => Ok(api::Empty::new()),
+                // Nothing was left to signal: the process is gone, as containerd expects.
+                Err(e) if exited => {
+                    log::debug!("signalling what container {} left: {e}", req.id);
+                    Err(Error::NotFound(format!("process of {} already finished", req.id)).into())
+                }
+                Err(e) => Err(Error::agent(format!("signalling container {}", req.id))(e).into()),
+            };
         }
         let Some(pod) = inner.pod.as_ref().filter(|p| p.id() == req.id) else {
             return Err(Error::container_not_found(&req.id).into());
