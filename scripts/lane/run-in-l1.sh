@@ -43,9 +43,12 @@ done
 image=$("$here/build-l1.sh")
 lane=$(mktemp -d /tmp/microvm-lane.XXXXXX)
 qemu_pid=
+qemu_child=
 watch_pid=
 cleanup() {
   if [ -n "$watch_pid" ]; then kill "$watch_pid" 2>/dev/null || true; fi
+  # QEMU itself first: `timeout` cannot pass a SIGKILL on, and QEMU would outlive it.
+  if [ -n "$qemu_child" ]; then kill -KILL "$qemu_child" 2>/dev/null || true; fi
   if [ -n "$qemu_pid" ] && kill -0 "$qemu_pid" 2>/dev/null; then
     kill -KILL "$qemu_pid" 2>/dev/null || true
     wait "$qemu_pid" 2>/dev/null || true
@@ -160,6 +163,7 @@ for _ in $(seq 50); do
   [ -n "$child" ] && break
   sleep 0.1
 done
+qemu_child=$child
 if [ -n "$child" ]; then
   watch_freeze "$child" &
   watch_pid=$!
@@ -169,6 +173,7 @@ wait "$qemu_pid"
 qemu_status=$?
 set -e
 qemu_pid=
+qemu_child=
 if [ -n "$watch_pid" ]; then
   kill "$watch_pid" 2>/dev/null || true
   wait "$watch_pid" 2>/dev/null || true

@@ -662,11 +662,11 @@ impl PodSetup {
     /// Picks the backend (check-host's choice, or `BENCH_HYPERVISOR`), writes the shim config
     /// and starts the private containerd (the default CNI bridge).
     async fn start() -> Result<PodSetup> {
-        let root = repo_root();
         let bin_dir = bin_dir()?;
         let microvm = bin_dir.join("microvm");
-        let kernel = root.join("build/vmlinux");
-        let initrd = root.join("build/initrd.cpio");
+        // `MICROVM_KERNEL` / `MICROVM_INITRD` as for the tests, else the repo's build/.
+        let kernel = shim::artifacts::default_kernel();
+        let initrd = shim::artifacts::default_initrd();
         for p in [
             &microvm,
             &bin_dir.join("containerd-shim-microvm-v1"),
