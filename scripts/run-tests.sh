@@ -53,7 +53,7 @@ done
 echo "== linux guests on the embedded vmm"
 # The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
 # name. The first two are #[ignore]d in the plain run (counted here, where they run).
-embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices)
+embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_sandbox_api)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_vfio=$(grep -c '^#\[ignore' tests/tests/kvm_vfio_passthrough.rs || true)
 n_linux=$(( n_linux + n_vfio ))
@@ -76,14 +76,15 @@ executables() {
 # Which containerd each embedded-VMM suite runs against: the lane is the long part of CI, so
 # rather than every suite three times, the releases take turns (each is also run with every suite
 # on the QEMU backend above): 1.6 for cri_microvm and cri_microvm_net, 1.7 for
-# cri_microvm_cgroup, 2.1 for cri_microvm_exec and cri_microvm_devices.
+# cri_microvm_cgroup, 2.1 for cri_microvm_exec and cri_microvm_devices, and for
+# cri_microvm_sandbox_api, whose Sandbox API only 2.x has.
 lane_containerd() {
   local line name suite bin
   while IFS= read -r line; do
     name=${line%%=*}
     case "$name" in
       cri_microvm_cgroup) suite=trixie ;;
-      cri_microvm_exec|cri_microvm_devices) suite=sid ;;
+      cri_microvm_exec|cri_microvm_devices|cri_microvm_sandbox_api) suite=sid ;;
       *) suite= ;;
     esac
     if [ -n "$suite" ]; then
