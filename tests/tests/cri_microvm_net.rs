@@ -590,22 +590,36 @@ async fn after_kill_9_of_the_shim_nothing_of_ours_is_left_in_the_pods_netns() {
     // SAFETY: kill(2) on the pod's shim process found above.
     unsafe { libc::kill(shims[0], libc::SIGKILL) };
     // containerd sees the sandbox task end and runs `<shim> delete`, which undoes what the
-    // state directory records; the netns itself stays until StopPodSandbox.
-    let deadline = Instant::now() + Duration::from_secs(60);
+    // state directory records; the netns itself stays until StopPodSandbox. Bounded generously:
+    // on a loaded machine containerd may take a while to notice the shim's end.
+    let killed = Instant::now();
+    let deadline = killed + Duration::from_secs(120);
+    let state_dir = Path::new(STATE_ROOT).join(&pod.id);
     loop {
         let status = cri.pod_sandbox_status(&pod.id, false).await.unwrap();
-        let state_gone = !Path::new(STATE_ROOT).join(&pod.id).exists();
+        let state_gone = !state_dir.exists();
         if (status.status.map(|s| s.state) == Some(1) && state_gone) || Instant::now() >= deadline {
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let waited = killed.elapsed();
     let links = in_netns(&netns, &["ip", "-o", "link", "show"]);
-    assert!(!links.contains("mvtap"), "a tap was left: {links}");
     let qdiscs = in_netns(&netns, &["tc", "qdisc", "show", "dev", "eth0"]);
+    let left = [
+        links.contains("mvtap").then(|| format!("a tap: {links}")),
+        qdiscs
+            .contains("ingress")
+            .then(|| format!("an ingress qdisc on eth0: {qdiscs}")),
+    ];
+    let left: Vec<String> = left.into_iter().flatten().collect();
     assert!(
-        !qdiscs.contains("ingress"),
-        "an ingress qdisc was left on eth0: {qdiscs}"
+        left.is_empty(),
+        "after kill -9 of the shim and {waited:?} ({} state directory {}): {}\ncontainerd log:\n{}",
+        if state_dir.exists() { "its" } else { "no" },
+        state_dir.display(),
+        left.join("; "),
+        ctrd.log_tail()
     );
     remove_and_check(&ctrd, &cri, &pod).await;
 }
