@@ -264,6 +264,36 @@ pub fn file_sha256(file: &mut File) -> Result<String, PageSharingError> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// [`file_sha256`], remembered in `dir` by the file's identity (device, inode, size, change
+/// and modification times), so that every VM does not read the whole kernel again. A file
+/// replaced by renaming has a new inode, one rewritten in place new times. (Only template
+/// names come from it: a stale sum means a template miss, never a wrong page.)
+pub fn cached_file_sha256(dir: &TemplateDir, file: &mut File) -> Result<String, PageSharingError> {
+    let m = file.metadata().map_err(io("stat"))?;
+    let name = format!(
+        "sum-{:x}-{:x}-{}-{}.{}-{}.{}",
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ctime(),
+        m.ctime_nsec()
+    );
+    if let Some(mut f) = dir.get(&name)? {
+        let mut sum = String::new();
+        if f.read_to_string(&mut sum).is_ok()
+            && sum.len() == 64
+            && sum.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            return Ok(sum);
+        }
+    }
+    let sum = file_sha256(file)?;
+    dir.put(&name, sum.as_bytes())?;
+    Ok(sum)
+}
+
 /// The template directory.
 #[derive(Debug)]
 pub struct TemplateDir {
@@ -878,7 +908,7 @@ impl VmSharing {
         let dir = TemplateDir::open(&self.config.template_dir)?;
         let mut index = TemplateIndex::default();
         if let Some(initrd) = self.initrd.as_mut() {
-            let sum = file_sha256(initrd)?;
+            let sum = cached_file_sha256(&dir, initrd)?;
             let name = initrd_template_name(&sum);
             let file = match dir.get(&name)? {
                 Some(f) => Some(f),
@@ -906,7 +936,7 @@ impl VmSharing {
         }
         let mut capture = None;
         if self.text.is_some() {
-            let sum = file_sha256(&mut self.kernel)?;
+            let sum = cached_file_sha256(&dir, &mut self.kernel)?;
             let name = kernel_template_name(&sum, &self.cmdline, self.vcpus, &self.cpuid);
             match dir.get(&name)? {
                 Some(f) => index.add(TemplateView::new(&name, f)?),
@@ -1127,6 +1157,12 @@ mod tests {
         // No temporary file left.
         assert_eq!(std::fs::read_dir(d.join("t")).unwrap().count(), 1);
         // A directory others may enter is refused.
+        // Sums are remembered by the file's identity.
+        let mut data = dir.put("data", b"abc").unwrap();
+        let sum = cached_file_sha256(&dir, &mut data).unwrap();
+        assert_eq!(sum, file_sha256(&mut data).unwrap());
+        assert_eq!(std::fs::read_dir(d.join("t")).unwrap().count(), 3);
+        assert_eq!(cached_file_sha256(&dir, &mut data).unwrap(), sum);
         std::fs::set_permissions(d.join("t"), std::fs::Permissions::from_mode(0o755)).unwrap();
         assert!(matches!(
             TemplateDir::open(&d.join("t")),

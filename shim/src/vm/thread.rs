@@ -205,6 +205,13 @@ fn vm_thread(
         "agent ready {:?} after boot start",
         vm.started_at().elapsed()
     );
+    // Page sharing, before the sandbox is reported ready: no container has run in the guest
+    // yet (the first pod after a host boot captures the kernel text template here).
+    match vm.share_pages() {
+        None => {}
+        Some(Ok(report)) => log::info!("page sharing: {report}"),
+        Some(Err(e)) => log::warn!("page sharing failed (the pod runs without it): {e}"),
+    }
     if ready
         .send(Ok((
             vm.agent_socket().to_path_buf(),
