@@ -41,9 +41,12 @@ use crate::memory::{mark_guest_ram, GuestMemory};
 pub const DEFAULT_TEMPLATE_DIR: &str = "/run/microvm/page-templates";
 /// The page size the pass works with (x86-64 base pages).
 pub const PAGE: usize = 4096;
-/// At most this many new mappings per pass: each costs the process a VMA (the kernel's limit is
-/// vm.max_map_count, 65530 by default).
+/// At most this many new mappings per pass: each costs the process up to two VMAs (one mapped
+/// in the middle of another splits it; the kernel's limit is vm.max_map_count, 65530 by default).
 const MAX_MAPPINGS_PER_PASS: usize = 16_384;
+/// Passes stop mapping while the process has this many VMAs (leaving room under the default
+/// vm.max_map_count for threads, allocations and later passes).
+const MAX_PROCESS_VMAS: usize = 40_000;
 /// Names in an initrd longer than this are refused (PATH_MAX).
 const MAX_CPIO_NAME: usize = 4096;
 /// An initrd with more entries than this is not made a template.
@@ -788,10 +791,22 @@ pub(crate) fn share_paused(
     index: &TemplateIndex,
     report: &mut SharingReport,
 ) -> Result<(), PageSharingError> {
+    share_paused_within(mem, index, report, MAX_MAPPINGS_PER_PASS)
+}
+
+/// [`share_paused`] making at most `max_mappings` new mappings.
+fn share_paused_within(
+    mem: &GuestMemory,
+    index: &TemplateIndex,
+    report: &mut SharingReport,
+    max_mappings: usize,
+) -> Result<(), PageSharingError> {
     let vmas = read_maps()?;
     let mut pagemap = File::open("/proc/self/pagemap").map_err(io("open /proc/self/pagemap"))?;
     report.shared = vec![0; index.views().len()];
     report.templates = index.views().iter().map(|v| v.name().to_string()).collect();
+    // Mappings this pass may make: its own bound, and what keeps the process's VMAs in bounds.
+    let budget = max_mappings.min(MAX_PROCESS_VMAS.saturating_sub(vmas.len()) / 2);
     let mut mappings = 0usize;
     let mut pending: Option<Run> = None;
     const CHUNK: usize = 4096;
@@ -842,14 +857,14 @@ pub(crate) fn share_paused(
                     }
                 }
                 if let Some(cur) = pending.replace(run) {
-                    flush(cur, index, report, &mut mappings)?;
+                    flush(cur, index, report, &mut mappings, budget)?;
                 }
             }
             done += n;
         }
         // Runs never cross regions.
         if let Some(cur) = pending.take() {
-            flush(cur, index, report, &mut mappings)?;
+            flush(cur, index, report, &mut mappings, budget)?;
         }
     }
     Ok(())
@@ -860,11 +875,12 @@ fn flush(
     index: &TemplateIndex,
     report: &mut SharingReport,
     mappings: &mut usize,
+    budget: usize,
 ) -> Result<(), PageSharingError> {
     if matches!(run, Run::Drop { .. }) {
         return apply(run, index, report);
     }
-    if *mappings >= MAX_MAPPINGS_PER_PASS {
+    if *mappings >= budget {
         report.skipped += run.pages() as u64;
         return Ok(());
     }
@@ -1259,6 +1275,30 @@ mod tests {
         share_paused(&mem, &index, &mut report).unwrap();
         assert_eq!(report.shared, vec![0]);
         assert_eq!(report.misses, 1);
+        assert!(guest_bytes(&mem) == before);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_mapping_budget_leaves_the_rest_counted() {
+        let d = temp_dir("budget");
+        let dir = TemplateDir::open(&d).unwrap();
+        let (a, _) = sample_files();
+        let mut t = a.clone();
+        t.resize(2 * PAGE, 0);
+        let mut index = TemplateIndex::default();
+        index.add(TemplateView::new("x", dir.put("tpl", &t).unwrap()).unwrap());
+        let mem = create_guest_memory(2 << 20).unwrap();
+        // Two runs (not adjacent): one mapping allowed.
+        mem.write_slice(&t[..PAGE], GuestAddress(0x10_0000))
+            .unwrap();
+        mem.write_slice(&t[..PAGE], GuestAddress(0x18_0000))
+            .unwrap();
+        let before = guest_bytes(&mem);
+        let mut report = SharingReport::default();
+        share_paused_within(&mem, &index, &mut report, 1).unwrap();
+        assert_eq!(report.shared, vec![1], "{report}");
+        assert_eq!(report.skipped, 1, "{report}");
         assert!(guest_bytes(&mem) == before);
         std::fs::remove_dir_all(&d).unwrap();
     }
