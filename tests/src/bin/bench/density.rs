@@ -408,7 +408,21 @@ pub(super) async fn density_bench() -> Result<()> {
             mib(s.own_pss())
         );
     }
+    print_page_sharing_lines(&setup);
     Ok(())
+}
+
+/// The shims' page sharing reports (docs/page-sharing.md) from the containerd log, one `#` line
+/// per pass, so that a pod that shared less shows why.
+fn print_page_sharing_lines(setup: &PodSetup) {
+    let log = std::fs::read_to_string(setup.ctrd.dir().join("containerd.log")).unwrap_or_default();
+    for line in log.lines().filter(|l| l.contains("page sharing")) {
+        let msg = line
+            .find("page sharing")
+            .map_or(line, |at| &line[at..])
+            .trim_end_matches('"');
+        println!("# {}", msg.chars().take(400).collect::<String>());
+    }
 }
 
 /// The long run: see the module doc.
