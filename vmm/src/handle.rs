@@ -326,9 +326,13 @@ impl VmHandle {
         };
         let mut sharing = lock(sharing);
         let capture = sharing.prepare()?;
-        let mut report = self.with_paused(SHARING_PAUSE_TIMEOUT, |mem| {
+        let result = self.with_paused(SHARING_PAUSE_TIMEOUT, |mem| {
             sharing.paused_pass(mem, capture.as_deref())
-        })??;
+        });
+        // The templates are unmapped from the VMM between passes (a later pass maps them
+        // again): mapped, their pages would count in this process's memory for nothing.
+        sharing.index = None;
+        let mut report = result??;
         report.took = started.elapsed();
         log::info!("page sharing: {report}");
         Ok(report)

@@ -202,11 +202,26 @@ pub fn parse_newc(b: &[u8]) -> Result<Vec<CpioFile>, CpioError> {
 pub fn initrd_template(initrd: &[u8]) -> Result<Vec<u8>, CpioError> {
     let files = parse_newc(initrd)?;
     let mut out = Vec::new();
-    for f in files {
-        out.extend_from_slice(&initrd[f.data]);
-        out.resize(out.len().next_multiple_of(PAGE), 0);
-    }
+    write_initrd_template(initrd, &files, &mut out).map_err(|_| CpioError::Truncated { at: 0 })?;
     Ok(out)
+}
+
+/// Writes the initrd template of `files` (from [`parse_newc`] of `initrd`) to `out`.
+pub fn write_initrd_template(
+    initrd: &[u8],
+    files: &[CpioFile],
+    out: &mut impl Write,
+) -> std::io::Result<()> {
+    const ZEROS: [u8; PAGE] = [0; PAGE];
+    for f in files {
+        let data = initrd
+            .get(f.data.clone())
+            .ok_or(std::io::ErrorKind::InvalidData)?;
+        out.write_all(data)?;
+        let pad = data.len().next_multiple_of(PAGE) - data.len();
+        out.write_all(&ZEROS[..pad])?;
+    }
+    Ok(())
 }
 
 /// A hex SHA-256 of the parts, each prefixed by its length (so parts cannot run into each other).
@@ -353,6 +368,16 @@ impl TemplateDir {
     /// Creates the template `name` holding `bytes` (0444, through a temporary file linked into
     /// place), unless it exists already; returns the file now under that name.
     pub fn put(&self, name: &str, bytes: &[u8]) -> Result<File, PageSharingError> {
+        self.put_with(name, |f| f.write_all(bytes))
+    }
+
+    /// [`TemplateDir::put`] with the content written by `write` (streamed: no copy of a large
+    /// template on the heap, where the allocator would keep it after it is freed).
+    pub fn put_with(
+        &self,
+        name: &str,
+        write: impl FnOnce(&mut File) -> std::io::Result<()>,
+    ) -> Result<File, PageSharingError> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
@@ -366,7 +391,7 @@ impl TemplateDir {
             .mode(0o444)
             .open(&temp)
             .map_err(io(format!("create {}", temp.display())))?;
-        let written = f.write_all(bytes).and_then(|()| f.sync_data());
+        let written = write(&mut f).and_then(|()| f.sync_data());
         drop(f);
         let linked = written.and_then(|()| match std::fs::hard_link(&temp, self.path.join(name)) {
             // Another VM put the same template first: keep that one.
@@ -395,10 +420,17 @@ unsafe impl Send for TemplateView {}
 impl TemplateView {
     /// Maps `file` (whole pages only: a partial last page is left out).
     pub fn new(name: &str, file: File) -> Result<Self, PageSharingError> {
+        Self::map(name, file, true)
+    }
+
+    /// Maps `file` whole, to read it ([`TemplateView::bytes`]).
+    fn map(name: &str, file: File, whole_pages: bool) -> Result<Self, PageSharingError> {
         let size = file.metadata().map_err(io(format!("stat {name}")))?.len();
-        let len = usize::try_from(size)
-            .map_err(|_| io(name.to_string())(std::io::ErrorKind::InvalidData.into()))?
-            & !(PAGE - 1);
+        let mut len = usize::try_from(size)
+            .map_err(|_| io(name.to_string())(std::io::ErrorKind::InvalidData.into()))?;
+        if whole_pages {
+            len &= !(PAGE - 1);
+        }
         let ptr = if len == 0 {
             std::ptr::null()
         } else {
@@ -441,6 +473,16 @@ impl TemplateView {
         // `self`; the file is never written (see the module doc), so the bytes do not change
         // under the shared reference.
         unsafe { std::slice::from_raw_parts(self.ptr.add(i * PAGE), PAGE) }
+    }
+
+    /// All the mapped bytes.
+    fn bytes(&self) -> &[u8] {
+        if self.ptr.is_null() {
+            return &[];
+        }
+        // SAFETY: the whole mapping, which lives as long as `self`; the file is not written
+        // while mapped (templates never; the initrd is replaced by renaming, docs/density.md).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
     /// The template's name.
@@ -888,14 +930,6 @@ fn flush(
     apply(run, index, report)
 }
 
-/// Copies `range` (guest-physical, whole pages) out of guest memory.
-pub(crate) fn capture(mem: &GuestMemory, range: Range<u64>) -> Option<Vec<u8>> {
-    let len = usize::try_from(range.end.checked_sub(range.start)?).ok()?;
-    let mut out = vec![0u8; len];
-    vm_memory::Bytes::read_slice(mem, &mut out, GuestAddress(range.start)).ok()?;
-    Some(out)
-}
-
 /// What a VM keeps to run sharing passes (made at start when sharing is on).
 pub(crate) struct VmSharing {
     pub(crate) config: PageSharingConfig,
@@ -926,26 +960,24 @@ impl VmSharing {
         if let Some(initrd) = self.initrd.as_mut() {
             let sum = cached_file_sha256(&dir, initrd)?;
             let name = initrd_template_name(&sum);
-            let file = match dir.get(&name)? {
-                Some(f) => Some(f),
-                None => {
-                    let mut bytes = Vec::new();
-                    initrd
-                        .seek(SeekFrom::Start(0))
-                        .map_err(io("seek the initrd"))?;
-                    initrd
-                        .read_to_end(&mut bytes)
-                        .map_err(io("read the initrd"))?;
-                    match initrd_template(&bytes) {
-                        Ok(t) if !t.is_empty() => Some(dir.put(&name, &t)?),
-                        Ok(_) => None,
-                        Err(e) => {
-                            log::info!("page sharing: the initrd gives no template: {e}");
-                            None
+            let file =
+                match dir.get(&name)? {
+                    Some(f) => Some(f),
+                    None => {
+                        let clone = initrd.try_clone().map_err(io("dup the initrd"))?;
+                        let map = TemplateView::map("initrd", clone, false)?;
+                        match parse_newc(map.bytes()) {
+                            Ok(files) if !files.is_empty() => Some(dir.put_with(&name, |f| {
+                                write_initrd_template(map.bytes(), &files, f)
+                            })?),
+                            Ok(_) => None,
+                            Err(e) => {
+                                log::info!("page sharing: the initrd gives no template: {e}");
+                                None
+                            }
                         }
                     }
-                }
-            };
+                };
             if let Some(f) = file {
                 index.add(TemplateView::new(&name, f)?);
             }
@@ -972,11 +1004,18 @@ impl VmSharing {
         let Some(range) = self.text.clone() else {
             return Ok(false);
         };
-        let Some(bytes) = capture(mem, range) else {
+        let Ok(len) = usize::try_from(range.end - range.start) else {
             return Ok(false);
         };
+        if !mem.check_range(GuestAddress(range.start), len) {
+            return Ok(false);
+        }
         let dir = TemplateDir::open(&self.config.template_dir)?;
-        let f = dir.put(name, &bytes)?;
+        // Straight from guest memory into the file.
+        let f = dir.put_with(name, |f| {
+            vm_memory::Bytes::write_all_volatile_to(mem, GuestAddress(range.start), f, len)
+                .map_err(|e| std::io::Error::other(e.to_string()))
+        })?;
         if let Some(index) = self.index.as_mut() {
             index.add(TemplateView::new(name, f)?);
         }
@@ -1277,6 +1316,51 @@ mod tests {
         assert_eq!(report.misses, 1);
         assert!(guest_bytes(&mem) == before);
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn prepare_streams_the_initrd_template_once() {
+        let d = temp_dir("prepare");
+        let (a, b) = sample_files();
+        let cpio = newc(&[
+            ("init", 0o100755, &a),
+            ("b", 0o100644, &b),
+            ("TRAILER!!!", 0, b""),
+        ]);
+        let initrd_path = d.with_extension("cpio");
+        std::fs::write(&initrd_path, &cpio).unwrap();
+        let mut sharing = VmSharing {
+            config: PageSharingConfig {
+                template_dir: d.clone(),
+            },
+            kernel: File::open(&initrd_path).unwrap(),
+            initrd: Some(File::open(&initrd_path).unwrap()),
+            text: None,
+            cmdline: String::new(),
+            vcpus: 1,
+            cpuid: Vec::new(),
+            index: None,
+        };
+        assert_eq!(
+            sharing.prepare().unwrap(),
+            None,
+            "no kernel text to capture"
+        );
+        let index = sharing.index.take().unwrap();
+        assert_eq!(index.views().len(), 1);
+        let name = index.views()[0].name().to_string();
+        assert!(name.starts_with("initrd-files-"), "{name}");
+        assert_eq!(
+            std::fs::read(d.join(&name)).unwrap(),
+            initrd_template(&cpio).unwrap()
+        );
+        // A second VM finds it (and the remembered sum): same name, nothing new written.
+        let before = std::fs::read_dir(&d).unwrap().count();
+        sharing.prepare().unwrap();
+        assert_eq!(sharing.index.as_ref().unwrap().views()[0].name(), name);
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), before);
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_file(&initrd_path).unwrap();
     }
 
     #[test]

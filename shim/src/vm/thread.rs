@@ -207,10 +207,9 @@ fn vm_thread(
     );
     // Page sharing, before the sandbox is reported ready: no container has run in the guest
     // yet (the first pod after a host boot captures the kernel text template here).
-    match vm.share_pages() {
-        None => {}
-        Some(Ok(report)) => log::info!("page sharing: {report}"),
-        Some(Err(e)) => log::warn!("page sharing failed (the pod runs without it): {e}"),
+    // (The VMM logs what the pass did.)
+    if let Some(Err(e)) = vm.share_pages() {
+        log::warn!("page sharing failed (the pod runs without it): {e}");
     }
     if ready
         .send(Ok((
