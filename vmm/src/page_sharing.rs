@@ -1024,12 +1024,18 @@ impl VmSharing {
 }
 
 /// The guest-physical pages of a kernel's first loadable segment (its text and read-only
-/// data), from the ELF headers of `kernel`.
+/// data), from the ELF headers of `kernel`: every page holding some of its file bytes.
 pub(crate) fn kernel_text_range(kernel: &mut File) -> Option<Range<u64>> {
     let k = crate::boot_files::read_elf(kernel).ok()?;
     let s = k.segments.first()?;
-    let start = s.paddr.checked_add(PAGE as u64 - 1)? & !(PAGE as u64 - 1);
-    let end = s.paddr.checked_add(s.filesz)? & !(PAGE as u64 - 1);
+    // Whole guest pages holding the segment's file bytes (it is guest memory that is captured:
+    // a partial page's rest is whatever the guest keeps there, and shares only if equal).
+    let start = s.paddr & !(PAGE as u64 - 1);
+    let end = s
+        .paddr
+        .checked_add(s.filesz)?
+        .checked_add(PAGE as u64 - 1)?
+        & !(PAGE as u64 - 1);
     (start < end).then_some(start..end)
 }
 
