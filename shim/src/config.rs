@@ -307,7 +307,7 @@ mod tests {
         assert_eq!(c.page_sharing, PageSharing::Public);
         assert_eq!(
             c.page_templates_dir,
-            PathBuf::from("/run/microvm/page-templates")
+            PathBuf::from("/run/microvm-page-templates")
         );
         let c = Config::parse("page_sharing = \"off\"\npage_templates_dir = \"/x\"\n").unwrap();
         assert_eq!(c.page_sharing, PageSharing::Off);

@@ -37,8 +37,9 @@ use vm_memory::{GuestAddress, GuestMemory as _, GuestMemoryRegion};
 
 use crate::memory::{mark_guest_ram, GuestMemory};
 
-/// Where template files go unless configured otherwise.
-pub const DEFAULT_TEMPLATE_DIR: &str = "/run/microvm/page-templates";
+/// Where template files go unless configured otherwise (beside the shim's pod state root
+/// /run/microvm, whose directories are pods').
+pub const DEFAULT_TEMPLATE_DIR: &str = "/run/microvm-page-templates";
 /// The page size the pass works with (x86-64 base pages).
 pub const PAGE: usize = 4096;
 /// At most this many new mappings per pass: each costs the process up to two VMAs (one mapped
