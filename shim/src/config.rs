@@ -40,6 +40,19 @@ pub enum BootFiles {
     Copy,
 }
 
+/// Which guest pages the embedded VMM shares between pods (docs/page-sharing.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PageSharing {
+    /// Pages equal to public content (the initrd's files, the kernel text as every guest
+    /// patches it) are mapped from shared template files, zero pages dropped, once the agent
+    /// answered. Never pages equal to what another pod holds.
+    #[default]
+    Public,
+    /// Nothing is shared.
+    Off,
+}
+
 /// The shim's configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -75,6 +88,11 @@ pub struct Config {
     /// frees, so the host takes those pages back (docs/virtio-balloon.md). Pods with VFIO
     /// devices never get it.
     pub free_page_reporting: bool,
+    /// Embedded VMM: share guest pages equal to public templates between pods (`public`, the
+    /// default) or not (`off`). Pods with VFIO devices never do.
+    pub page_sharing: PageSharing,
+    /// Where the page templates are kept (root-owned, 0700; emptied by a host reboot).
+    pub page_templates_dir: PathBuf,
 }
 
 /// Settings of the pod's host cgroup (`[cgroup]`; `resources::cgroup`).
@@ -171,6 +189,8 @@ impl Default for Config {
             cgroup: CgroupSettings::default(),
             devices: DevicesSettings::default(),
             free_page_reporting: true,
+            page_sharing: PageSharing::default(),
+            page_templates_dir: PathBuf::from(vmm::page_sharing::DEFAULT_TEMPLATE_DIR),
         }
     }
 }
@@ -279,6 +299,20 @@ mod tests {
         assert!(c.free_page_reporting, "on by default");
         let c = Config::parse("free_page_reporting = false\n").unwrap();
         assert!(!c.free_page_reporting);
+    }
+
+    #[test]
+    fn page_sharing_is_public_unless_off() {
+        let c = Config::default();
+        assert_eq!(c.page_sharing, PageSharing::Public);
+        assert_eq!(
+            c.page_templates_dir,
+            PathBuf::from("/run/microvm-page-templates")
+        );
+        let c = Config::parse("page_sharing = \"off\"\npage_templates_dir = \"/x\"\n").unwrap();
+        assert_eq!(c.page_sharing, PageSharing::Off);
+        assert_eq!(c.page_templates_dir, PathBuf::from("/x"));
+        assert!(Config::parse("page_sharing = \"all\"\n").is_err());
         let c = Config::parse("[cgroup]\nenabled = false\noverhead_memory_mib = 64\n").unwrap();
         assert!(!c.cgroup.enabled);
         assert_eq!(c.cgroup.overhead_memory_mib, 64);

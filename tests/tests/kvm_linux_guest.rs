@@ -407,3 +407,192 @@ fn linux_guest_without_balloon_keeps_freed_memory_resident() {
     handle.stop();
     handle.wait().expect("the VM ends cleanly");
 }
+
+/// The anonymous (private, not file-backed) bytes of this process's guest RAM mappings (the
+/// ones marked no-dump: guest RAM and what the VMM maps over it), from /proc/self/smaps.
+fn guest_ram_anonymous() -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("own smaps");
+    let (mut total, mut current) = (0u64, 0u64);
+    for line in smaps.lines() {
+        if let Some(kib) = line.strip_prefix("Anonymous:") {
+            current = kib
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0)
+                << 10;
+        } else if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if flags.split_whitespace().any(|f| f == "dd") {
+                total += current;
+            }
+            current = 0;
+        }
+    }
+    total
+}
+
+fn e_name(p: &std::path::Path) -> String {
+    p.file_name()
+        .expect("a name")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// What the page sharing guest holds in zero pages (a tmpfs file of zeros), in MiB.
+const ZERO_MIB: u64 = 32;
+
+/// Page sharing (docs/page-sharing.md) on a running guest: busybox copied into a tmpfs (the
+/// same bytes as the initrd's file) and a file of zeros; the pass drops the zero pages, maps the
+/// copy's pages from the initrd template and the patched kernel text from the template it
+/// captures, and the guest's private memory on the host falls by at least those. The guest then
+/// still works: it runs the shared copy, finds it equal to the original, and writes into shared
+/// and dropped pages (which copies them again) and reads its writes back.
+#[test]
+#[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
+fn linux_guest_shares_public_pages_and_still_works() {
+    let (kernel, _initrd) = artifacts_or_fail();
+    let busybox_len = std::fs::metadata("/bin/busybox").expect("busybox").len();
+    let initrd = busybox_initrd(&format!(
+        "#!/bin/busybox sh\n\
+         B=/bin/busybox\n\
+         $B mount -t proc proc /proc\n\
+         $B mount -t devtmpfs devtmpfs /dev\n\
+         $B mount -t tmpfs -o size=200m tmpfs /tmp\n\
+         $B mkdir -p /tmp/share\n\
+         $B mount -t virtiofs share /tmp/share || $B echo share-test: no virtiofs\n\
+         $B mkdir /tmp/copy\n\
+         $B cp /bin/busybox /tmp/copy/busybox\n\
+         $B dd if=/dev/zero of=/tmp/zero bs=1M count={ZERO_MIB} 2>/dev/null\n\
+         $B echo share-test: ready\n\
+         while [ ! -e /tmp/share/go ]; do $B sleep 0.2; done\n\
+         /tmp/copy/busybox cmp /tmp/copy/busybox /bin/busybox && \
+           $B echo share-test: copy equal\n\
+         /tmp/copy/busybox echo share-test: the shared copy runs\n\
+         $B dd if=/dev/urandom of=/tmp/rand bs=4096 count=64 2>/dev/null\n\
+         $B dd if=/tmp/rand of=/tmp/copy/busybox bs=4096 seek=8 conv=notrunc 2>/dev/null\n\
+         $B dd if=/tmp/copy/busybox of=/tmp/part bs=4096 count=64 skip=8 2>/dev/null\n\
+         $B cmp /tmp/part /tmp/rand && $B echo share-test: writes to shared pages hold\n\
+         $B dd if=/tmp/rand of=/tmp/zero bs=4096 seek=100 conv=notrunc 2>/dev/null\n\
+         $B dd if=/tmp/zero of=/tmp/part bs=4096 count=64 skip=100 2>/dev/null\n\
+         $B cmp /tmp/part /tmp/rand && $B echo share-test: writes to dropped pages hold\n\
+         $B echo share-test: done\n\
+         exec $B sleep 100000\n"
+    ));
+    let templates = tempfile::tempdir().expect("a temp dir");
+    let template_dir = templates.path().join("page-templates");
+    let share = tempfile::tempdir().expect("a temp dir");
+    let console = Console::default();
+    let mut cfg = vmm::VmConfig::new(kernel);
+    cfg.memory_mib = 256;
+    cfg.initrd = Some(initrd.path().to_path_buf());
+    cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
+    cfg.serial = vmm::SerialSink::Writer(Box::new(console.clone()));
+    cfg.shared_fs = Some(vmm::SharedFsConfig {
+        tag: "share".into(),
+        host_dir: share.path().to_path_buf(),
+    });
+    cfg.page_sharing = Some(vmm::PageSharingConfig {
+        template_dir: template_dir.clone(),
+    });
+    let handle = vmm::Vm::start(cfg).expect("the VM starts");
+    wait_for(&console, "share-test: ready", Duration::from_secs(180));
+    let before = guest_ram_anonymous();
+    let report = handle.share_pages().expect("the sharing pass");
+    let after = guest_ram_anonymous();
+    eprintln!(
+        "page sharing: guest RAM anonymous {} KiB before, {} KiB after; {report}",
+        before >> 10,
+        after >> 10
+    );
+    assert!(report.captured_kernel_text, "{report}");
+    assert_eq!(report.templates.len(), 2, "{report}");
+    assert!(report.templates[0].starts_with("initrd-files-"), "{report}");
+    assert!(report.templates[1].starts_with("kernel-text-"), "{report}");
+    let pages = |bytes: u64| bytes / 4096;
+    // busybox twice in the guest's page cache (the unpacked initramfs and the copy).
+    assert!(
+        report.shared[0] >= 2 * pages(busybox_len) * 9 / 10,
+        "busybox is {} pages; {report}",
+        pages(busybox_len)
+    );
+    // The boot patches return thunks all over the text: most of its pages are private copies.
+    assert!(report.shared[1] >= 256, "{report}");
+    assert!(report.zero_dropped >= pages(ZERO_MIB << 20), "{report}");
+    let freed = (ZERO_MIB << 20) + 2 * busybox_len * 9 / 10 + (1 << 20);
+    assert!(
+        before.saturating_sub(after) >= freed,
+        "anonymous guest RAM {} KiB -> {} KiB, want at least {} KiB less; {report}",
+        before >> 10,
+        after >> 10,
+        freed >> 10
+    );
+    let mode = |p: &std::path::Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).expect("stat").permissions().mode() & 0o777
+    };
+    assert_eq!(mode(&template_dir), 0o700);
+    let mut names = Vec::new();
+    for e in std::fs::read_dir(&template_dir).expect("the template dir") {
+        let p = e.expect("an entry").path();
+        assert_eq!(mode(&p), 0o444, "{}", p.display());
+        names.push(e_name(&p));
+    }
+    names.sort();
+    // The two templates and the two files' remembered sums, nothing else (no temporary file).
+    assert_eq!(names.len(), 4, "{names:?}");
+    assert!(names[0].starts_with("initrd-files-"), "{names:?}");
+    assert!(names[1].starts_with("kernel-text-"), "{names:?}");
+
+    std::fs::write(share.path().join("go"), b"").expect("the go file");
+    wait_for(&console, "share-test: done", Duration::from_secs(120));
+    let text = console.text();
+    for line in [
+        "share-test: copy equal",
+        "share-test: the shared copy runs",
+        "share-test: writes to shared pages hold",
+        "share-test: writes to dropped pages hold",
+    ] {
+        assert!(text.contains(line), "no {line:?} in the console:\n{text}");
+    }
+    // A second pass finds the kernel template made by the first and captures nothing.
+    let again = handle.share_pages().expect("a second pass");
+    eprintln!("page sharing, second pass: {again}");
+    assert!(!again.captured_kernel_text, "{again}");
+    assert_eq!(again.templates.len(), 2, "{again}");
+    handle.stop();
+    handle.wait().expect("the VM ends cleanly");
+}
+
+/// A VM without page sharing refuses the pass (nothing changes in it).
+#[test]
+#[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
+fn linux_guest_without_page_sharing_refuses_the_pass() {
+    let (kernel, _initrd) = artifacts_or_fail();
+    let initrd = busybox_initrd("#!/bin/busybox sh\nexec /bin/busybox sleep 100000\n");
+    let mut cfg = vmm::VmConfig::new(kernel);
+    cfg.memory_mib = 128;
+    cfg.initrd = Some(initrd.path().to_path_buf());
+    cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
+    cfg.serial = vmm::SerialSink::Null;
+    let handle = vmm::Vm::start(cfg).expect("the VM starts");
+    let r = handle.share_pages();
+    assert!(
+        matches!(
+            r,
+            Err(vmm::VmmError::PageSharing(
+                vmm::page_sharing::PageSharingError::Off
+            ))
+        ),
+        "{r:?}"
+    );
+    // The pause alone works on a running guest, and the guest keeps running after it.
+    let vcpus_paused = handle
+        .with_paused(Duration::from_secs(5), |_mem| true)
+        .expect("a pause");
+    assert!(vcpus_paused);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!handle.has_ended());
+    handle.stop();
+    handle.wait().expect("the VM ends cleanly");
+}

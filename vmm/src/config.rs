@@ -181,6 +181,11 @@ pub struct VmConfig {
     /// A virtio-balloon device, after the disks (not with `vfio`: a device's DMA goes to the
     /// pages the IOMMU pinned, which dropping would take from the guest).
     pub balloon: Option<BalloonConfig>,
+    /// Page sharing ([`crate::page_sharing`], docs/page-sharing.md): when set,
+    /// [`crate::VmHandle::share_pages`] drops zero pages and maps guest pages equal to public
+    /// templates (the initrd's files, the kernel text) from shared template files. Not with
+    /// `vfio` (pinned pages).
+    pub page_sharing: Option<crate::page_sharing::PageSharingConfig>,
 }
 
 impl VmConfig {
@@ -201,6 +206,7 @@ impl VmConfig {
             balloon: None,
             boot_protocol: BootProtocol::Auto,
             boot_files: BootFiles::Map,
+            page_sharing: None,
         }
     }
 
@@ -294,6 +300,13 @@ impl VmConfig {
             return Err(VmmError::Config(
                 "a balloon cannot be combined with VFIO devices: their DMA goes to pinned guest \
                  pages that dropping would take from the guest"
+                    .into(),
+            ));
+        }
+        if self.page_sharing.is_some() && !self.vfio.is_empty() {
+            return Err(VmmError::Config(
+                "page sharing cannot be combined with VFIO devices: their DMA goes to pinned \
+                 guest pages, which remapping would take from the device"
                     .into(),
             ));
         }

@@ -58,6 +58,12 @@ pub enum VmmError {
     /// The feature is not available in this build.
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// The VM's threads could not be paused ([`crate::VmHandle::with_paused`]).
+    #[error("pausing the VM: {0}")]
+    Pause(#[from] crate::pause::PauseError),
+    /// Page sharing failed ([`crate::VmHandle::share_pages`]).
+    #[error("page sharing: {0}")]
+    PageSharing(#[from] crate::page_sharing::PageSharingError),
     /// An earlier wait already took the VM's result.
     #[error("the VM's result was already taken by an earlier wait")]
     AlreadyWaited,

@@ -55,6 +55,11 @@ impl MutEventSubscriber for Control {
 /// Runs the loop until the VM stops.
 pub(crate) fn run(mut manager: DeviceEventManager, shared: Arc<Shared>) {
     while !shared.stopping() {
+        // Between two batches of device work: a pause parks the thread here (the pauser wakes
+        // the epoll wait through the exit eventfd).
+        if shared.pause_point() {
+            continue;
+        }
         if let Err(e) = manager.run_with_timeout(POLL_MS) {
             shared.finish(Err(VmmError::Device(format!("device event loop: {e:?}"))));
             break;

@@ -14,8 +14,13 @@ use vmm_sys_util::signal::Killable;
 
 use crate::kvm_vm::KvmVm;
 use crate::memory::GuestMemory;
+use crate::page_sharing::{PageSharingError, SharingReport, VmSharing};
+use crate::pause::PauseGate;
 use crate::vcpu::kick_signal;
 use crate::{VmExit, VmmError};
+
+/// How long a sharing pass waits for the VM's threads to pause.
+const SHARING_PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long teardown keeps kicking a vCPU thread before giving up on it (it is then detached).
 const KICK_LIMIT: Duration = Duration::from_secs(5);
@@ -26,8 +31,10 @@ pub(crate) struct Shared {
     stop: AtomicBool,
     outcome: Mutex<Outcome>,
     ended: Condvar,
-    /// Wakes the event loop when the VM ends.
+    /// Wakes the event loop when the VM ends (and when a pause is asked for).
     pub(crate) exit_evt: EventFd,
+    /// Where the VM's threads park during [`VmHandle::with_paused`].
+    pub(crate) pause: PauseGate,
 }
 
 enum Outcome {
@@ -44,6 +51,7 @@ impl Shared {
             ended: Condvar::new(),
             exit_evt: EventFd::new(libc::EFD_NONBLOCK)
                 .map_err(VmmError::io("create an eventfd"))?,
+            pause: PauseGate::new(),
         })
     }
 
@@ -63,7 +71,18 @@ impl Shared {
         if let Err(e) = self.exit_evt.write(1) {
             log::warn!("cannot wake the event loop: {e}");
         }
+        self.pause.wake_all();
         self.ended.notify_all();
+    }
+
+    /// The pause point of a VM thread (vCPU or device loop): parks it while a pause is asked
+    /// for and the VM is not stopping. True if it parked.
+    pub(crate) fn pause_point(&self) -> bool {
+        if !self.pause.requested() {
+            return false;
+        }
+        self.pause.park(|| self.stopping());
+        true
     }
 
     fn is_ended(&self) -> bool {
@@ -85,6 +104,7 @@ impl Running {
     fn teardown(mut self, shared: &Shared) {
         shared.stop.store(true, Ordering::SeqCst);
         let _ = shared.exit_evt.write(1);
+        shared.pause.wake_all();
         for t in self.vcpu_threads.drain(..) {
             let started = Instant::now();
             while !t.is_finished() {
@@ -118,6 +138,8 @@ pub(crate) struct HandleDevices {
     pub(crate) blocks: Vec<Arc<Mutex<Block>>>,
     /// The balloon, if the VM has one.
     pub(crate) balloon: Option<Arc<Mutex<Balloon>>>,
+    /// Page sharing, if on.
+    pub(crate) page_sharing: Option<Mutex<VmSharing>>,
 }
 
 /// A running VM. Dropping it stops the VM and releases everything.
@@ -254,6 +276,66 @@ impl VmHandle {
                 index,
                 count: self.devices.blocks.len(),
             })
+    }
+
+    /// Holds every vCPU outside KVM_RUN and the device thread between two batches of work
+    /// (vmm/src/pause.rs), runs `f` on guest memory, then lets them continue. The VM's state is
+    /// not touched. Waits at most `timeout` for the threads to park; a VM that ends meanwhile
+    /// gives an error, never a hang. Teardown waits for `f` to return.
+    pub fn with_paused<R>(
+        &self,
+        timeout: Duration,
+        f: impl FnOnce(&GuestMemory) -> R,
+    ) -> Result<R, VmmError> {
+        let running = lock(&self.running);
+        let Some(r) = running.as_ref() else {
+            return Err(VmmError::Pause(crate::pause::PauseError::Ended));
+        };
+        let Some(mem) = r.mem.as_ref() else {
+            return Err(VmmError::Pause(crate::pause::PauseError::Ended));
+        };
+        let threads = r.vcpu_threads.len() + usize::from(r.event_thread.is_some());
+        let kick = || {
+            for t in &r.vcpu_threads {
+                if !t.is_finished() {
+                    if let Err(e) = t.kill(kick_signal()) {
+                        log::debug!("pause: kick failed: {e}");
+                    }
+                }
+            }
+            if let Err(e) = self.shared.exit_evt.write(1) {
+                log::debug!("pause: cannot wake the event loop: {e}");
+            }
+        };
+        let _paused = self
+            .shared
+            .pause
+            .pause(threads, kick, || self.shared.stopping(), timeout)?;
+        Ok(f(mem))
+    }
+
+    /// One page sharing pass (docs/page-sharing.md): with every vCPU and the device thread
+    /// paused, drops the guest's all-zero private pages and maps pages equal to a public
+    /// template page from the template file (the first pass after boot of a host also captures
+    /// the kernel text template). Call it once the guest is up (the agent answered), before any
+    /// workload; it may be called again. Fails for a VM without page sharing.
+    pub fn share_pages(&self) -> Result<SharingReport, VmmError> {
+        let started = Instant::now();
+        let Some(sharing) = self.devices.page_sharing.as_ref() else {
+            return Err(PageSharingError::Off.into());
+        };
+        let mut sharing = lock(sharing);
+        let capture = sharing.prepare()?;
+        let result = self.with_paused(SHARING_PAUSE_TIMEOUT, |mem| {
+            sharing.paused_pass(mem, capture.as_deref())
+        });
+        // The templates are unmapped from the VMM between passes (a later pass maps them
+        // again): mapped, their pages would count in this process's memory for nothing.
+        sharing.index = None;
+        let mut report = result??;
+        report.took = started.elapsed();
+        log::info!("page sharing: {report}");
+        Ok(report)
     }
 
     /// How long `Vm::start` took, from its call to the vCPU threads running.

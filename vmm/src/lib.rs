@@ -18,6 +18,8 @@ pub mod layout;
 pub mod memory;
 pub mod mptable;
 pub mod msrs;
+pub mod page_sharing;
+mod pause;
 pub mod regs;
 mod vcpu;
 pub mod vfio;
@@ -29,6 +31,8 @@ pub use config::{
 };
 pub use error::VmmError;
 pub use handle::VmHandle;
+pub use page_sharing::{PageSharingConfig, SharingReport};
+pub use pause::PauseError;
 pub use vm::Vm;
 /// What the balloon did ([`VmHandle::balloon_stats`]).
 pub use vmm_devices::virtio::balloon::BalloonStats;

@@ -4,6 +4,9 @@
 //! kicked out with a signal (no-op handler, no SA_RESTART, so KVM_RUN returns EINTR). The kicker
 //! repeats the signal until the thread ends, which closes the race between the flag check and
 //! entering KVM_RUN.
+//!
+//! Pausing ([`crate::VmHandle::with_paused`]) works the same way: the pause gate is checked
+//! before every KVM_RUN, and the pauser repeats the kick until every vCPU has parked there.
 
 use std::sync::{Arc, Once};
 
@@ -137,6 +140,9 @@ impl Vcpu {
     pub fn run(mut self, shared: Arc<Shared>) {
         let id = self.id;
         while !shared.stopping() {
+            if shared.pause_point() {
+                continue;
+            }
             match self.run_once() {
                 Ok(None) => {}
                 Ok(Some(exit)) => {

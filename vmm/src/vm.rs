@@ -21,12 +21,14 @@ use vmm_devices::virtio::vsock::Vsock;
 
 use crate::boot::{self, BootError};
 use crate::config::{BlockBacking, BootProtocol, VmConfig};
+use crate::cpuid::filter_cpuid;
 use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
 use crate::handle::{abort_start, new_running, HandleDevices, Running, Shared, VmHandle};
 use crate::kvm_vm::KvmVm;
 use crate::layout::{pci_intx_gsis, PCI_BAR_FIRST_SLOT};
 use crate::memory::create_guest_memory;
+use crate::page_sharing::{self, PageSharingConfig, VmSharing};
 use crate::regs::{write_page_tables, EntryMode};
 use crate::vcpu::{install_kick_handler, Vcpu};
 use crate::{mptable, VmmError};
@@ -208,6 +210,7 @@ impl Vm {
         write_page_tables(&mem).map_err(|e| VmmError::Memory(e.to_string()))?;
 
         let cpuid = vm.supported_cpuid()?;
+        let vcpu0_cpuid = cpuid.clone();
         let pio = Arc::new(devices.pio.clone());
         let mmio = Arc::new(devices.mmio.clone());
         let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
@@ -224,6 +227,23 @@ impl Vm {
             vcpus.push(vcpu);
         }
 
+        let page_sharing = match &cfg.page_sharing {
+            Some(config) => {
+                let mut first = vcpu0_cpuid.clone();
+                filter_cpuid(&mut first, 0, cfg.vcpus);
+                Some(sharing_state(
+                    SharingInputs {
+                        kernel: &cfg.kernel,
+                        initrd: cfg.initrd.as_deref(),
+                        vcpus: cfg.vcpus,
+                        cmdline: &cmdline_text,
+                    },
+                    config.clone(),
+                    &first,
+                )?)
+            }
+            None => None,
+        };
         let mut running = new_running();
         running.mem = Some(mem);
         let events = devices.events;
@@ -271,7 +291,11 @@ impl Vm {
             shared,
             running: Mutex::new(Some(running)),
             vsock_uds_path: cfg.vsock.map(|v| v.uds_path.into_boxed_path()),
-            devices: Box::new(HandleDevices { blocks, balloon }),
+            devices: Box::new(HandleDevices {
+                blocks,
+                balloon,
+                page_sharing: page_sharing.map(Mutex::new),
+            }),
             boot_time,
             started_at,
             vcpus: cfg.vcpus,
@@ -280,6 +304,50 @@ impl Vm {
             entry: mode,
         })
     }
+}
+
+/// What page sharing keeps of the VM: the boot files (their inodes), the kernel's text range,
+/// and the facts that decide how the kernel patched its text.
+struct SharingInputs<'a> {
+    kernel: &'a std::path::Path,
+    initrd: Option<&'a std::path::Path>,
+    vcpus: u8,
+    cmdline: &'a str,
+}
+
+fn sharing_state(
+    cfg: SharingInputs<'_>,
+    config: PageSharingConfig,
+    cpuid: &kvm_bindings::CpuId,
+) -> Result<VmSharing, VmmError> {
+    let mut kernel = std::fs::File::open(cfg.kernel).map_err(|e| VmmError::Kernel {
+        path: cfg.kernel.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let text = page_sharing::kernel_text_range(&mut kernel);
+    let initrd = match cfg.initrd {
+        Some(p) => Some(std::fs::File::open(p).map_err(|e| VmmError::Initrd {
+            path: p.to_path_buf(),
+            reason: e.to_string(),
+        })?),
+        None => None,
+    };
+    let mut cpuid_bytes = Vec::new();
+    for e in cpuid.as_slice() {
+        for v in [e.function, e.index, e.flags, e.eax, e.ebx, e.ecx, e.edx] {
+            cpuid_bytes.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    Ok(VmSharing {
+        config,
+        kernel,
+        initrd,
+        text,
+        cmdline: cfg.cmdline.to_string(),
+        vcpus: cfg.vcpus,
+        cpuid: cpuid_bytes,
+        index: None,
+    })
 }
 
 fn abort(mut running: Running, vm: KvmVm, shared: &Shared, err: VmmError) -> VmmError {

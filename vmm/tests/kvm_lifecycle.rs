@@ -191,3 +191,57 @@ fn four_vms_at_once() {
         );
     }
 }
+
+/// Pausing a running guest (every vCPU halted inside KVM_RUN, so each must be kicked out) holds
+/// it for the closure and lets it continue: many times in a row, with 1 and 2 vCPUs; once the
+/// VM has ended, a pause is a clear error, not a hang.
+#[test]
+fn pause_holds_a_halted_guest_and_lets_it_go_again() {
+    for vcpus in [1, 2] {
+        let (cfg, cap) = config("idle", vcpus, 64);
+        let h = Vm::start(cfg).unwrap();
+        wait_for_output(&cap, "halting forever");
+        for _ in 0..20 {
+            let first = h
+                .with_paused(Duration::from_secs(10), |mem| {
+                    use vm_memory::GuestMemory;
+                    mem.num_regions()
+                })
+                .expect("the pause");
+            assert_eq!(first, 1);
+        }
+        assert!(
+            h.wait_timeout(Duration::from_millis(10)).is_none(),
+            "the guest runs on after the pauses"
+        );
+        h.stop();
+        assert_eq!(h.wait().unwrap(), VmExit::Stopped);
+        assert!(matches!(
+            h.with_paused(Duration::from_secs(10), |_| ()),
+            Err(VmmError::Pause(vmm::PauseError::Ended))
+        ));
+    }
+}
+
+/// A page sharing pass on our idle test guest: it captures the guest's text template (the
+/// first loadable segment) into a private directory and the guest runs on.
+#[test]
+fn a_sharing_pass_on_a_running_guest() {
+    let dir = std::env::temp_dir().join(format!("kvm-page-sharing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (mut cfg, cap) = config("idle", 1, 64);
+    cfg.page_sharing = Some(vmm::PageSharingConfig {
+        template_dir: dir.clone(),
+    });
+    let h = Vm::start(cfg).unwrap();
+    wait_for_output(&cap, "halting forever");
+    let first = h.share_pages().expect("a pass");
+    assert!(first.captured_kernel_text, "{first}");
+    let second = h.share_pages().expect("a second pass");
+    assert!(!second.captured_kernel_text, "{second}");
+    assert_eq!(second.templates.len(), 1, "{second}");
+    assert!(h.wait_timeout(Duration::from_millis(10)).is_none());
+    h.stop();
+    assert_eq!(h.wait().unwrap(), VmExit::Stopped);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -195,6 +195,8 @@ impl Sandbox {
         guest.nics = nics;
         guest.vfio = cold.vfio.clone();
         guest.free_page_reporting = config.free_page_reporting;
+        guest.page_sharing = (config.page_sharing == crate::config::PageSharing::Public)
+            .then(|| config.page_templates_dir.clone());
         let mut cold_files: Vec<Option<std::fs::File>> =
             cold.disks.into_iter().map(|d| Some(d.file)).collect();
         for d in &layout {

@@ -83,6 +83,9 @@ pub struct GuestSpec {
     /// dropped (docs/virtio-balloon.md). Left out when `vfio` is not empty: the pages a device
     /// DMAs into are pinned, and dropping them would take them from the guest.
     pub free_page_reporting: bool,
+    /// Embedded VMM: the page template directory when guest pages equal to public templates
+    /// are shared (docs/page-sharing.md); `None`: off. Left out when `vfio` is not empty.
+    pub page_sharing: Option<PathBuf>,
 }
 
 /// A virtio-blk disk of the guest; the guest finds it by its serial
@@ -162,7 +165,19 @@ impl GuestSpec {
             vfio: Vec::new(),
             boot_files: vmm::BootFiles::Map,
             free_page_reporting: false,
+            page_sharing: None,
         }
+    }
+
+    /// The page sharing of the VM: asked for, and no VFIO device (pinned pages).
+    fn page_sharing_config(&self) -> Option<vmm::PageSharingConfig> {
+        let dir = self
+            .page_sharing
+            .as_ref()
+            .filter(|_| self.vfio.is_empty())?;
+        Some(vmm::PageSharingConfig {
+            template_dir: dir.clone(),
+        })
     }
 
     /// Whether the VM gets the balloon: asked for, and no VFIO device.
@@ -333,6 +348,17 @@ impl Vm {
         }
     }
 
+    /// One page sharing pass (embedded VMM with page sharing on; `None` otherwise).
+    fn share_pages(&self) -> Option<Result<vmm::SharingReport, GuestVmError>> {
+        match self {
+            Vm::Embedded(h) => match h.share_pages() {
+                Err(vmm::VmmError::PageSharing(vmm::page_sharing::PageSharingError::Off)) => None,
+                r => Some(r.map_err(Into::into)),
+            },
+            Vm::Qemu(_) => None,
+        }
+    }
+
     /// Stops the guest (bounded) and waits for it to end.
     fn stop(&mut self) -> Result<(), GuestVmError> {
         match self {
@@ -465,6 +491,7 @@ impl GuestVm {
                 sysfs_path: sysfs_path.clone(),
             })
             .collect();
+        cfg.page_sharing = spec.page_sharing_config();
         cfg.balloon = spec.wants_balloon().then_some(vmm::BalloonConfig {
             free_page_reporting: true,
         });
@@ -627,6 +654,12 @@ impl GuestVm {
         self.vm.attach_block(index, serial, file)
     }
 
+    /// One page sharing pass over the guest's memory (docs/page-sharing.md): `None` when the
+    /// VM does not share pages (off, VFIO devices, the QEMU backend).
+    pub fn share_pages(&self) -> Option<Result<vmm::SharingReport, GuestVmError>> {
+        self.vm.share_pages()
+    }
+
     /// Empties disk slot `index`.
     pub fn detach_block(&self, index: usize) -> Result<(), GuestVmError> {
         self.vm.detach_block(index)
@@ -691,6 +724,22 @@ mod tests {
         assert!(s.wants_balloon());
         s.vfio = vec!["/sys/bus/pci/devices/0000:00:04.0".into()];
         assert!(!s.wants_balloon());
+    }
+
+    #[test]
+    fn page_sharing_is_left_out_beside_vfio_devices() {
+        let mut s = spec(None, None);
+        assert_eq!(s.page_sharing_config(), None, "off unless asked");
+        s.page_sharing = Some(PathBuf::from("/run/t"));
+        assert_eq!(
+            s.page_sharing_config(),
+            Some(vmm::PageSharingConfig {
+                template_dir: PathBuf::from("/run/t")
+            })
+        );
+        s.vfio
+            .push(PathBuf::from("/sys/bus/pci/devices/0000:00:04.0"));
+        assert_eq!(s.page_sharing_config(), None);
     }
 
     #[test]

@@ -205,6 +205,12 @@ fn vm_thread(
         "agent ready {:?} after boot start",
         vm.started_at().elapsed()
     );
+    // Page sharing, before the sandbox is reported ready: no container has run in the guest
+    // yet (the first pod after a host boot captures the kernel text template here).
+    // (The VMM logs what the pass did.)
+    if let Some(Err(e)) = vm.share_pages() {
+        log::warn!("page sharing failed (the pod runs without it): {e}");
+    }
     if ready
         .send(Ok((
             vm.agent_socket().to_path_buf(),

@@ -20,7 +20,8 @@
 //! accelerator, and the targets; on the embedded VMM also the idle pod's guest RAM and
 //! the shim's own memory. `BENCH_IDLE_SECS` (default 1) is how long after StartContainer the
 //! idle memory is read; `BENCH_FREE_PAGE_REPORTING=0` gives the pods no balloon
-//! (docs/virtio-balloon.md), to measure what it gives back. The backend is the one `microvm check-host` picks, or
+//! (docs/virtio-balloon.md), to measure what it gives back; `BENCH_PAGE_SHARING=public|off` sets
+//! the shim's `page_sharing` (docs/page-sharing.md). The backend is the one `microvm check-host` picks, or
 //! `BENCH_HYPERVISOR=kvm|qemu` (kvm where check-host says it cannot boot is an error).
 //!
 //! Then the pod network (needs root; see `net_bench`): a `microvm` and a `runc` pod on another
@@ -651,6 +652,8 @@ struct PodSetup {
     boot_files: shim::config::BootFiles,
     /// The shim's `free_page_reporting` (the balloon, docs/virtio-balloon.md).
     free_page_reporting: bool,
+    /// The shim's `page_sharing` (`BENCH_PAGE_SHARING`, docs/page-sharing.md).
+    page_sharing: shim::config::PageSharing,
     // Fields drop in order: the CRI client before its containerd.
     cri: CriClient,
     ctrd: PrivateContainerd,
@@ -704,6 +707,15 @@ impl PodSetup {
             std::fs::write(&config, text)
                 .with_context(|| format!("writing {}", config.display()))?;
         }
+        // `BENCH_PAGE_SHARING=public|off`: the shim's `page_sharing` (docs/page-sharing.md).
+        if let Ok(how) = std::env::var("BENCH_PAGE_SHARING") {
+            if how != "public" && how != "off" {
+                bail!("BENCH_PAGE_SHARING={how:?}: expected public or off");
+            }
+            let mut text = std::fs::read_to_string(&config).context("reading the shim config")?;
+            text.insert_str(0, &format!("page_sharing = \"{how}\"\n"));
+            std::fs::write(&config, text).context("writing the shim config")?;
+        }
         if std::env::var("BENCH_FREE_PAGE_REPORTING").as_deref() == Ok("0") {
             let mut text = std::fs::read_to_string(&config).context("reading the shim config")?;
             text.insert_str(0, "free_page_reporting = false\n");
@@ -732,6 +744,7 @@ impl PodSetup {
             guest_base_mib: shim_config.guest_base_memory_mib,
             boot_files: shim_config.boot_files,
             free_page_reporting: shim_config.free_page_reporting,
+            page_sharing: shim_config.page_sharing,
             cri,
             ctrd,
             config_dir,

@@ -365,14 +365,15 @@ pub(super) async fn density_bench() -> Result<()> {
         "# density: {n} idle pods per handler started together through CRI, {} booting at a \
          time (ours in {:.1}s, runc in {:.1}s), measured {}s after the last answered ExecSync with all {n} running; \
          PSS per pod = its shim and all the shim's descendants (smaps_rollup); guest {} vCPU \
-         {} MiB; boot files {:?} (embedded VMM)",
+         {} MiB; boot files {:?}, page sharing {:?} (embedded VMM)",
         positive_knob("BENCH_DENSITY_PARALLEL", default_parallel())?,
         ours.started_in.as_secs_f64(),
         runc.started_in.as_secs_f64(),
         positive_knob("BENCH_DENSITY_SETTLE", DENSITY_SETTLE_S)?,
         setup.vm_size.vcpus,
         setup.vm_size.memory_mib,
-        setup.boot_files
+        setup.boot_files,
+        setup.page_sharing
     );
     println!(
         "pod_density_pss_median_mib ours={o:.1} runc={r:.1} ratio={:.2}{target} {tag} (range: \
@@ -407,7 +408,21 @@ pub(super) async fn density_bench() -> Result<()> {
             mib(s.own_pss())
         );
     }
+    print_page_sharing_lines(&setup);
     Ok(())
+}
+
+/// The shims' page sharing reports (docs/page-sharing.md) from the containerd log, one `#` line
+/// per pass, so that a pod that shared less shows why.
+fn print_page_sharing_lines(setup: &PodSetup) {
+    let log = std::fs::read_to_string(setup.ctrd.dir().join("containerd.log")).unwrap_or_default();
+    for line in log.lines().filter(|l| l.contains("page sharing")) {
+        let msg = line
+            .find("page sharing")
+            .map_or(line, |at| &line[at..])
+            .trim_end_matches('"');
+        println!("# {}", msg.chars().take(400).collect::<String>());
+    }
 }
 
 /// The long run: see the module doc.
