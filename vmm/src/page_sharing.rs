@@ -1302,15 +1302,21 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
-    #[test]
-    fn a_wrong_template_shares_nothing() {
-        let d = temp_dir("wrong");
+    /// A template directory under `tag` holding one template "x": the first sample file,
+    /// padded to two pages. Returns the directory, the template's bytes and its index.
+    fn two_page_template(tag: &str) -> (PathBuf, Vec<u8>, TemplateIndex) {
+        let d = temp_dir(tag);
         let dir = TemplateDir::open(&d).unwrap();
-        let (a, _) = sample_files();
-        let mut t = a.clone();
+        let (mut t, _) = sample_files();
         t.resize(2 * PAGE, 0);
         let mut index = TemplateIndex::default();
         index.add(TemplateView::new("x", dir.put("tpl", &t).unwrap()).unwrap());
+        (d, t, index)
+    }
+
+    #[test]
+    fn a_wrong_template_shares_nothing() {
+        let (d, t, index) = two_page_template("wrong");
         let mem = create_guest_memory(2 << 20).unwrap();
         // Pages whose hash could match nothing in the template, and one differing at the end.
         let mut p = t[..PAGE].to_vec();
@@ -1372,13 +1378,7 @@ mod tests {
 
     #[test]
     fn the_mapping_budget_leaves_the_rest_counted() {
-        let d = temp_dir("budget");
-        let dir = TemplateDir::open(&d).unwrap();
-        let (a, _) = sample_files();
-        let mut t = a.clone();
-        t.resize(2 * PAGE, 0);
-        let mut index = TemplateIndex::default();
-        index.add(TemplateView::new("x", dir.put("tpl", &t).unwrap()).unwrap());
+        let (d, t, index) = two_page_template("budget");
         let mem = create_guest_memory(2 << 20).unwrap();
         // Two runs (not adjacent): one mapping allowed.
         mem.write_slice(&t[..PAGE], GuestAddress(0x10_0000))

@@ -161,6 +161,19 @@ mod tests {
     use std::sync::Arc;
 
     /// Threads that count "guest work" in a loop with a pause point, as the vCPU loop does.
+    /// Waits (bounded) until the workers count more work than now.
+    fn assert_work_resumes(work: &AtomicUsize) {
+        let resumed = work.load(Ordering::SeqCst);
+        let end = Instant::now() + Duration::from_secs(10);
+        while work.load(Ordering::SeqCst) == resumed && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            work.load(Ordering::SeqCst) > resumed,
+            "no work after resume"
+        );
+    }
+
     fn workers(
         n: usize,
         gate: &Arc<PauseGate>,
@@ -198,15 +211,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             assert_eq!(work.load(Ordering::SeqCst), before, "work while paused");
             drop(p);
-            let resumed = work.load(Ordering::SeqCst);
-            let end = Instant::now() + Duration::from_secs(10);
-            while work.load(Ordering::SeqCst) == resumed && Instant::now() < end {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            assert!(
-                work.load(Ordering::SeqCst) > resumed,
-                "no work after resume"
-            );
+            assert_work_resumes(&work);
         }
         stop.store(true, Ordering::SeqCst);
         gate.wake_all();
@@ -248,12 +253,7 @@ mod tests {
         );
         assert!(!gate.requested());
         // The parked worker went back to work.
-        let resumed = work.load(Ordering::SeqCst);
-        let end = Instant::now() + Duration::from_secs(10);
-        while work.load(Ordering::SeqCst) == resumed && Instant::now() < end {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert!(work.load(Ordering::SeqCst) > resumed);
+        assert_work_resumes(&work);
         stop.store(true, Ordering::SeqCst);
         for t in threads {
             t.join().unwrap();
