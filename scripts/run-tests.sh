@@ -149,6 +149,24 @@ if [ -n "$left" ]; then
 else
   echo "no VM processes left behind"
 fi
+# What a pod holds on the host beyond its processes: its state directory (/run/microvm/<pod>),
+# mounts under it, and its shim's socket (one nobody listens on any more).
+left=$(
+  ls -A /run/microvm 2>/dev/null | sed 's|^|state directory /run/microvm/|'
+  awk '$5 ~ "^/run/microvm/" { print "mount " $5 }' /proc/self/mountinfo
+  listening=$(ss -xlH 2>/dev/null | awk '{ print $5 }')
+  for s in /run/containerd/s/*; do
+    [ -S "$s" ] || continue
+    grep -qxF "$s" <<<"$listening" || echo "stale shim socket $s"
+  done
+)
+if [ -n "$left" ]; then
+  echo "pod state left behind by the tests:" >&2
+  echo "$left" >&2
+  status_all=1
+else
+  echo "no pod state directories, mounts or shim sockets left behind"
+fi
 
 # One closing line over every cargo test binary. Every ignored test counts as skipped, never as
 # passed: kvm_linux_guest's are ignored in the plain run and counted where they ran on the

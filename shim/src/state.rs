@@ -18,6 +18,7 @@ pub const DEFAULT_STATE_ROOT: &str = "/run/microvm";
 const SHIM_PID_FILE: &str = "shim.pid";
 const VM_PIDS_FILE: &str = "vm.pids";
 const MOUNTS_FILE: &str = "mounts";
+const SOCKET_FILE: &str = "socket";
 /// How long a cleanup waits for a killed process to go.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
@@ -132,6 +133,12 @@ pub struct CleanupReport {
     pub removed: bool,
 }
 
+/// A state directory's reclaim lock, held until dropped (the kernel drops it with the process).
+#[derive(Debug)]
+pub struct StateLock {
+    _dir: fs::File,
+}
+
 /// One pod's state directory.
 #[derive(Debug, Clone)]
 pub struct StateDir {
@@ -199,6 +206,57 @@ impl StateDir {
             .map_err(io_err(&self.path))?;
         let file = self.path.join(SHIM_PID_FILE);
         fs::write(&file, record_line(shim_pid)).map_err(io_err(&file))
+    }
+
+    /// Records the shim's ttrpc socket address, for a sweep that finds the pod after its shim
+    /// died and nobody ran `<shim> delete` ([`crate::sandbox::reclaim`]).
+    pub fn record_socket(&self, address: &str) -> Result<(), StateError> {
+        let file = self.path.join(SOCKET_FILE);
+        fs::write(&file, address).map_err(io_err(&file))
+    }
+
+    /// The shim's socket address as recorded, if any.
+    pub fn socket_address(&self) -> Option<String> {
+        fs::read_to_string(self.path.join(SOCKET_FILE))
+            .ok()
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+    }
+
+    /// Whether the directory names its shim (a directory without one is being created).
+    pub fn has_shim_record(&self) -> bool {
+        !read_records(&self.path.join(SHIM_PID_FILE)).is_empty()
+    }
+
+    /// Takes the directory's reclaim lock (an exclusive `flock` on the directory), waiting for
+    /// a reclaim already under way; `None` when the directory is gone, before or after the
+    /// wait (whoever held the lock cleaned it up).
+    pub fn lock(&self) -> Result<Option<StateLock>, StateError> {
+        self.lock_with(|f| f.lock().map(|()| true))
+    }
+
+    /// As [`lock`](Self::lock), without waiting: `None` also when someone holds it.
+    pub fn try_lock(&self) -> Result<Option<StateLock>, StateError> {
+        self.lock_with(|f| match f.try_lock() {
+            Ok(()) => Ok(true),
+            Err(fs::TryLockError::WouldBlock) => Ok(false),
+            Err(fs::TryLockError::Error(e)) => Err(e),
+        })
+    }
+
+    fn lock_with(
+        &self,
+        take: impl FnOnce(&fs::File) -> io::Result<bool>,
+    ) -> Result<Option<StateLock>, StateError> {
+        let dir = match fs::File::open(&self.path) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err(&self.path)(e)),
+        };
+        if !take(&dir).map_err(io_err(&self.path))? || !self.path.exists() {
+            return Ok(None);
+        }
+        Ok(Some(StateLock { _dir: dir }))
     }
 
     /// Records the VM's host processes (replacing an earlier record).
@@ -390,6 +448,38 @@ mod tests {
         child.wait().unwrap();
         assert_eq!(start_time(pid), None);
         assert_eq!(unescape_mountinfo(r"/a\040b\134c"), "/a b\\c");
+    }
+
+    #[test]
+    fn the_reclaim_lock_is_exclusive_and_absent_once_the_directory_is_gone() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = StateDir::new(root.path(), "pod1").unwrap();
+        assert!(dir.lock().unwrap().is_none(), "no directory, no lock");
+        dir.create(std::process::id()).unwrap();
+        assert!(dir.has_shim_record());
+        assert_eq!(dir.socket_address(), None);
+        dir.record_socket("unix:///run/containerd/s/abc\n").unwrap();
+        assert_eq!(
+            dir.socket_address().as_deref(),
+            Some("unix:///run/containerd/s/abc")
+        );
+        let held = dir
+            .lock()
+            .unwrap()
+            .expect("the lock of an existing directory");
+        assert!(
+            dir.try_lock().unwrap().is_none(),
+            "held by another open file"
+        );
+        // A waiter gets the lock when the holder is done; the holder removed the directory.
+        let waiter = {
+            let dir = dir.clone();
+            std::thread::spawn(move || dir.lock().unwrap().is_none())
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        dir.cleanup().unwrap();
+        drop(held);
+        assert!(waiter.join().unwrap(), "the waiter sees the directory gone");
     }
 
     #[test]

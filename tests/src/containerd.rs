@@ -86,6 +86,9 @@ pub struct ContainerdOptions {
     /// pods through the shim's Sandbox API instead of a pause container; none: containerd's
     /// default (`podsandbox`).
     pub microvm_sandboxer: Option<String>,
+    /// containerd's `io.containerd.timeout.shim.cleanup`: how long it lets `<shim> delete` run
+    /// after a shim died before it kills it (none: containerd's default, 5 s).
+    pub shim_cleanup_timeout: Option<Duration>,
 }
 
 /// The environment variable naming the folder of the containerd the tests run.
@@ -149,6 +152,7 @@ impl Default for ContainerdOptions {
                 .map(PathBuf::from),
             microvm_handler: true,
             microvm_sandboxer: None,
+            shim_cleanup_timeout: None,
         }
     }
 }
@@ -850,7 +854,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
 [debug]
   level = {level}
-
+{timeouts}
 [plugins."io.containerd.internal.v1.opt"]
   path = {opt}
 
@@ -876,6 +880,13 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         socket = toml_str(&socket.to_string_lossy()),
         ttrpc = toml_str(&format!("{}.ttrpc", socket.to_string_lossy())),
         level = toml_str(&opts.log_level),
+        timeouts = match opts.shim_cleanup_timeout {
+            Some(t) => format!(
+                "\n[timeouts]\n  \"io.containerd.timeout.shim.cleanup\" = \"{}ms\"\n",
+                t.as_millis()
+            ),
+            None => String::new(),
+        },
         opt = toml_str(&root.join("opt").to_string_lossy()),
         // 2.1 deprecates `bin_dir` (CRI then reports a deprecation warning, not ready).
         cni_bin = match line {

@@ -129,12 +129,27 @@ pub async fn start(config: &Path) -> (PrivateContainerd, CriClient) {
 
 /// [`start`] with a CNI network beyond the plain IPv4 bridge (the network tests').
 pub async fn start_with_cni(config: &Path, cni: CniOptions) -> (PrivateContainerd, CriClient) {
+    start_with_options(
+        config,
+        ContainerdOptions {
+            cni,
+            ..ContainerdOptions::default()
+        },
+    )
+    .await
+}
+
+/// [`start`] with containerd options of the test's (the shim's directory and `config` are
+/// filled in).
+pub async fn start_with_options(
+    config: &Path,
+    opts: ContainerdOptions,
+) -> (PrivateContainerd, CriClient) {
     require_root();
     let ctrd = PrivateContainerd::start(ContainerdOptions {
         extra_path: vec![shim_bin_dir()],
         microvm_config: Some(config.to_path_buf()),
-        cni,
-        ..ContainerdOptions::default()
+        ..opts
     })
     .unwrap_or_else(|e| panic!("starting the private containerd: {e}"));
     let cri = CriClient::connect(ctrd.socket(), CALL_TIMEOUT)

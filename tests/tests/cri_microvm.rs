@@ -138,6 +138,75 @@ async fn after_kill_9_of_the_shim_containerd_cleanup_leaves_nothing_and_the_pod_
     remove_pod(&ctrd, &cri, &again).await;
 }
 
+/// containerd kills `<shim> delete` after its cleanup timeout (5 s by default), which a loaded
+/// host can exceed. Here it is 50 ms: the pod of a killed shim is reclaimed all the same, by
+/// the reclaim `delete` starts in a process of its own or, if `delete` was killed before it
+/// could, by the sweep of the next pod's shim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill_9_a_delete_cut_short_by_containerd_still_leaves_nothing() {
+    use microvm_tests::containerd::ContainerdOptions;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let opts = ContainerdOptions {
+        shim_cleanup_timeout: Some(Duration::from_millis(50)),
+        ..ContainerdOptions::default()
+    };
+    let (ctrd, cri) = start_with_options(&config, opts).await;
+
+    let pod = run_pod(&ctrd, &cri, "microvm-kill9-short").await;
+    let shims = shim_pids(&ctrd, &pod.id);
+    assert_eq!(shims.len(), 1, "{shims:?}");
+    // SAFETY: kill(2) on the pod's shim process found above.
+    unsafe { libc::kill(shims[0], libc::SIGKILL) };
+    cri.stop_and_remove_pod_retrying(&pod.id, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    // The next pod's shim sweeps what no reclaim got to.
+    let next = run_pod(&ctrd, &cri, "microvm-kill9-next").await;
+    // Nothing of the first pod (the next one runs: its processes and cgroup stay).
+    let state = Path::new(STATE_ROOT).join(&pod.id);
+    let socket = ctrd.shim_socket(&pod.id);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut left: Vec<String> = processes_mentioning(&state.display().to_string())
+            .into_iter()
+            .map(|(pid, cmd)| format!("VM process {pid}: {cmd}"))
+            .collect();
+        if state.exists() {
+            left.push(format!("state directory {}", state.display()));
+        }
+        if socket.exists() {
+            left.push(format!("shim socket {}", socket.display()));
+        }
+        for c in ctrd.leftover_cgroups() {
+            if c.to_string_lossy().contains(&pod.id) {
+                left.push(format!("cgroup {}", c.display()));
+            }
+        }
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left of the killed pod:\n{}\ncontainerd log:\n{}",
+            left.join("\n"),
+            ctrd.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = std::fs::read_to_string(ctrd.dir().join("containerd.log")).unwrap_or_default();
+    eprintln!(
+        "reclaimed by: {}",
+        if log.contains("its shim had died: reclaimed") {
+            "the next shim's sweep"
+        } else {
+            "delete's reclaim"
+        }
+    );
+    remove_pod(&ctrd, &cri, &next).await;
+}
+
 /// `hypervisor = "kvm"` (the embedded VMM): where check-host says this host cannot boot the
 /// guest (kvm-pvm here), RunPodSandbox fails fast with that reason and leaks nothing; where it
 /// can, the pod runs in a VM of the embedded VMM and leaves nothing.

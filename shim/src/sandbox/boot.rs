@@ -86,6 +86,12 @@ impl Sandbox {
         state
             .create(std::process::id())
             .map_err(SandboxError::State)?;
+        if let Some(socket) = crate::task::serve::own_socket() {
+            if let Err(e) = state.record_socket(socket) {
+                let _ = state.cleanup();
+                return Err(SandboxError::State(e));
+            }
+        }
         // 4. The host cgroup, before anything that spawns a process or thread for the pod.
         let host_cgroup = match host_cgroup(id, config, &req, size, &state) {
             Ok(c) => c,

@@ -7,6 +7,8 @@
 //! - teardown ([`Sandbox::teardown`]): the VM stopped, the state directory cleaned up;
 //! - [`pod_config`]: a pod created through containerd 2.x's Sandbox API (no spec: its CRI
 //!   `PodSandboxConfig`) as the spec and annotations the boot reads;
+//! - [`reclaim`]: a pod whose shim died, reclaimed from its state directory (by `<shim> delete`
+//!   and by the sweep each new shim runs);
 //! - [`spec`]: the one place that knows both the OCI spec and the VM (the VM's size from the
 //!   pod's annotations, a container's spec rewritten for the guest, what a pod may not ask).
 //!
@@ -15,6 +17,7 @@
 pub mod boot;
 pub mod container;
 pub mod pod_config;
+pub mod reclaim;
 pub mod spec;
 
 use std::path::{Path, PathBuf};

@@ -14,7 +14,7 @@
 
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use containerd_shim::asynchronous::publisher::RemotePublisher;
@@ -28,8 +28,18 @@ use containerd_shim_protos::ttrpc::r#async::Server;
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{signal, SignalKind};
 
+use crate::sandbox::reclaim::{self, Reclaimed, RECLAIM_ACTION};
+use crate::state::state_root;
 use crate::task::sandbox_service::SandboxService;
 use crate::task::shim::{shim_config, MicrovmShim, RUNTIME_ID};
+
+/// The daemon's own socket address, once it serves.
+static OWN_SOCKET: OnceLock<String> = OnceLock::new();
+
+/// The socket this process serves on, when it is a shim daemon that serves.
+pub fn own_socket() -> Option<&'static str> {
+    OWN_SOCKET.get().map(String::as_str)
+}
 
 /// The environment variable containerd gives its ttrpc address (events) in.
 const TTRPC_ADDRESS_ENV: &str = "TTRPC_ADDRESS";
@@ -41,6 +51,14 @@ const SOCKET_IN_USE_WAIT: Duration = Duration::from_secs(1);
 /// Runs the shim: the action of the command line, or the daemon. Exits 1 with the error on
 /// stderr (containerd logs it) when it fails.
 pub async fn run() {
+    // `<shim> delete`'s reclaim of a dead pod, in a process of its own (sandbox/reclaim.rs):
+    // `reclaim-dead-pod <pod id> <socket address>`.
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(RECLAIM_ACTION) {
+        let pod = args.get(2).map(String::as_str).unwrap_or_default();
+        let address = args.get(3).map(String::as_str).unwrap_or_default();
+        std::process::exit(reclaim::run_action(pod, address).await);
+    }
     if let Err(e) = bootstrap().await {
         eprintln!("{RUNTIME_ID}: {e}");
         std::process::exit(1);
@@ -125,7 +143,21 @@ async fn daemon(
         .register_service(create_task(Arc::new(task)))
         .register_service(create_sandbox(Arc::new(sandbox)));
     server.start().await?;
+    let _ = OWN_SOCKET.set(flags.socket.clone());
     signal_server_started();
+    // Pods whose shims died with nobody to reclaim them (sandbox/reclaim.rs), in the background.
+    let own_id = flags.id.clone();
+    tokio::spawn(async move {
+        for (pod, outcome) in reclaim::sweep(&state_root(), Some(&own_id)).await {
+            match outcome {
+                Ok(Reclaimed::Released(report)) => {
+                    log::warn!("pod {pod}: its shim had died: reclaimed {report}")
+                }
+                Ok(_) => {}
+                Err(e) => log::warn!("pod {pod}: its shim had died: {e}"),
+            }
+        }
+    });
     log::info!(
         "shim serving the task and sandbox services on {}",
         flags.socket
@@ -139,10 +171,9 @@ async fn daemon(
     if let Err(e) = server.shutdown().await {
         log::warn!("stopping the ttrpc server: {e}");
     }
-    // The address file is in the bundle, the daemon's working directory.
-    if let Ok(address) = tokio::fs::read_to_string("address").await {
-        remove_socket(address.trim());
-    }
+    // Its own socket (not the bundle's address file: containerd may have removed the bundle
+    // by now, once `<shim> delete` answered).
+    remove_socket(&flags.socket);
     Ok(())
 }
 

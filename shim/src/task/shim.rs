@@ -19,6 +19,7 @@ use containerd_shim::{Config, Error, Flags, StartOpts};
 use containerd_shim_protos::api::DeleteResponse;
 use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
 
+use crate::sandbox::reclaim::{self, Detached};
 use crate::state::{state_root, StateDir};
 use crate::task::bundle::{self, Role};
 use crate::task::options;
@@ -30,8 +31,6 @@ pub const RUNTIME_ID: &str = "io.containerd.microvm.v1";
 pub const CONFIG_PATH_ENV: &str = "MICROVM_CONFIG_PATH";
 /// How long `start` waits for a freshly spawned daemon to serve.
 const DAEMON_START_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long `<shim> delete` waits for a shim whose socket no longer serves to finish exiting.
-const DYING_SHIM_WAIT: Duration = Duration::from_secs(5);
 
 /// The shim: `start`, `delete`, and the daemon's task service.
 pub struct MicrovmShim {
@@ -110,38 +109,39 @@ impl Shim for MicrovmShim {
         if !address.is_empty() && socket_serves(address).await && state.shim_alive() {
             return Ok(exit_response());
         }
-        // A shim killed a moment ago has closed its connection to containerd (which is why
-        // containerd runs this) before it has finished exiting: its socket may still accept or
-        // its process still be there for a moment. Wait for both to go, bounded, or its pod is
-        // never cleaned up; one that still serves or runs after the wait (hung) is left alone,
-        // and stderr (containerd logs it as cleanup warnings) says so.
-        let deadline = std::time::Instant::now() + DYING_SHIM_WAIT;
-        let gone = loop {
-            let serving = !address.is_empty() && socket_serves(address).await;
-            let alive = state.shim_alive();
-            if !serving && !alive {
-                break true;
+        if !state.path().exists() {
+            // The pod was torn down (or reclaimed) already. A shim that is shutting down still
+            // serves for a moment and removes its socket itself; one that died leaves it.
+            if !address.is_empty() {
+                let deadline = std::time::Instant::now() + reclaim::DELETE_WAIT;
+                while socket_serves(address).await && std::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                if !socket_serves(address).await {
+                    let _ =
+                        std::fs::remove_file(address.strip_prefix("unix://").unwrap_or(address));
+                }
             }
-            if std::time::Instant::now() >= deadline {
-                eprintln!(
-                    "pod {pod_id}: its shim still {} {DYING_SHIM_WAIT:?} after its connection closed: left to it",
-                    if serving { "serves" } else { "runs" }
-                );
-                break false;
+            return Ok(exit_response());
+        }
+        // The shim died, or is dying: reclaim its pod in a process containerd's cleanup
+        // timeout does not kill (sandbox/reclaim.rs), and answer within that timeout.
+        let (pod, addr) = (pod_id.clone(), address.to_string());
+        let detached = tokio::task::spawn_blocking(move || {
+            reclaim::spawn_detached(&pod, &addr, reclaim::DELETE_WAIT)
+        })
+        .await
+        .map_err(|e| Error::Other(format!("reclaiming pod {pod_id}: {e}")))?;
+        match detached {
+            Ok(Detached::Finished(report)) => {
+                if !report.is_empty() {
+                    eprintln!("{report}");
+                }
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        if gone {
-            // The same undo as a pod's teardown: the network first (its record lives in the
-            // state directory), then its processes, its host cgroup and the state directory.
-            crate::sandbox::release_host_resources(&state)
-                .await
-                .map_err(|e| Error::Other(format!("cleaning up pod {pod_id}: {e}")))?;
-            // The dead shim's socket (a shim that exits normally removes it itself).
-            let socket = address.strip_prefix("unix://").unwrap_or(address);
-            if !socket.is_empty() {
-                let _ = std::fs::remove_file(socket);
-            }
+            Ok(Detached::StillRunning(pid)) => eprintln!(
+                "pod {pod_id}: reclaiming its host resources goes on in the background (pid {pid})"
+            ),
+            Err(e) => return Err(Error::Other(e.to_string())),
         }
         Ok(exit_response())
     }
