@@ -11,6 +11,7 @@
 
 pub mod balloon;
 pub mod block;
+pub mod device_state;
 pub mod fs;
 pub mod mmio;
 pub mod net;
