@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::Bytes;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::backing::{BackingError, DiskFile};
 use super::request::{parse, Request, RequestType};
@@ -18,7 +18,7 @@ use super::{
     feature, status, validate_serial, Access, BlockError, BLOCK_SIZE, CONFIG_LEN,
     MAX_DISCARD_SECTORS, MAX_DISCARD_SEG, QUEUE_SIZE, SECTOR_SIZE, SEG_MAX, SERIAL_LEN, SIZE_MAX,
 };
-use crate::virtio::queues::{drain_queue, kick, ActiveQueues};
+use crate::virtio::device_state::DeviceState;
 use crate::virtio::{
     device_type, read_config_bytes, ActivateError, IrqTrigger, VirtioDevice, INT_CONFIG,
     VIRTIO_F_VERSION_1,
@@ -45,11 +45,7 @@ pub struct Block {
     serial: String,
     access: Access,
     disk: Option<DiskFile>,
-    acked_features: u64,
-    queue_events: Vec<EventFd>,
-    active: Option<ActiveQueues>,
-    /// The driver's config-change interrupt line, kept from activation.
-    interrupt: Option<Arc<IrqTrigger>>,
+    state: DeviceState,
     /// Bumped on every device-side config change.
     config_generation: u32,
     stats: BlockStats,
@@ -60,15 +56,22 @@ impl Block {
     pub fn new(serial: String, file: Option<File>, access: Access) -> Result<Self, BlockError> {
         validate_serial(&serial)?;
         let disk = file.map(DiskFile::new).transpose()?;
-        let queue_events = vec![EventFd::new(EFD_NONBLOCK).map_err(BlockError::EventFd)?];
+        let mut features = 1 << VIRTIO_F_VERSION_1
+            | 1 << feature::SIZE_MAX
+            | 1 << feature::SEG_MAX
+            | 1 << feature::BLK_SIZE
+            | 1 << feature::FLUSH;
+        features |= match access {
+            Access::ReadOnly => 1 << feature::RO,
+            Access::ReadWrite => 1 << feature::DISCARD | 1 << feature::WRITE_ZEROES,
+        };
+        let state = DeviceState::new("virtio-blk", device_type::BLOCK, features, &QUEUE_SIZES)
+            .map_err(BlockError::EventFd)?;
         Ok(Self {
             serial,
             access,
             disk,
-            acked_features: 0,
-            queue_events,
-            active: None,
-            interrupt: None,
+            state,
             config_generation: 0,
             stats: BlockStats::default(),
         })
@@ -101,7 +104,7 @@ impl Block {
 
     /// The features the driver accepted.
     pub fn acked_features(&self) -> u64 {
-        self.acked_features
+        self.state.acked_features()
     }
 
     /// Fills the empty slot with `file` under `serial`, and tells the driver.
@@ -130,8 +133,9 @@ impl Block {
 
     fn config_changed(&mut self) {
         self.config_generation = self.config_generation.wrapping_add(1);
-        if let Some(irq) = &self.interrupt {
-            if let Err(e) = irq.trigger(INT_CONFIG) {
+        // The driver's interrupt line, from activation until a reset.
+        if let Some(active) = self.state.active() {
+            if let Err(e) = active.interrupt.trigger(INT_CONFIG) {
                 log::error!("virtio-blk: raising the config interrupt: {e}");
             }
         }
@@ -152,47 +156,26 @@ impl Block {
         c
     }
 
-    pub(super) fn queue_events_ref(&self) -> &[EventFd] {
-        &self.queue_events
+    pub(super) fn state(&self) -> &DeviceState {
+        &self.state
     }
 
     /// The queue eventfd was signalled: consume it and serve the queue.
     pub fn process_queue_event(&mut self) {
-        if let Some(evt) = self.queue_events.first() {
-            if let Err(e) = evt.read() {
-                if e.kind() != std::io::ErrorKind::WouldBlock {
-                    log::error!("virtio-blk: reading the queue event: {e}");
-                }
-            }
-        }
+        self.state.consume_queue_event(0);
         self.process_queue();
     }
 
     /// Serves at most one queue's worth of requests.
     pub fn process_queue(&mut self) {
-        let Some(active) = self.active.as_mut() else {
-            return;
-        };
-        let ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        } = active;
-        let Some(q) = queues.first_mut() else {
-            return;
-        };
         let mut server = Server {
             disk: &mut self.disk,
             serial: &self.serial,
             access: self.access,
             stats: &mut self.stats,
         };
-        let more = drain_queue(q, mem, interrupt, "virtio-blk", |chain| {
-            server.serve(mem, chain)
-        });
-        if more {
-            kick(&self.queue_events, 0, "virtio-blk");
-        }
+        self.state
+            .serve_queue(0, |mem, chain| server.serve(mem, chain));
     }
 }
 
@@ -369,32 +352,23 @@ impl Server<'_> {
 
 impl VirtioDevice for Block {
     fn device_type(&self) -> u32 {
-        device_type::BLOCK
+        self.state.device_type()
     }
 
     fn queue_max_sizes(&self) -> &[u16] {
-        &QUEUE_SIZES
+        self.state.queue_sizes()
     }
 
     fn queue_events(&self) -> &[EventFd] {
-        &self.queue_events
+        self.state.queue_events()
     }
 
     fn avail_features(&self) -> u64 {
-        let mut f = 1 << VIRTIO_F_VERSION_1
-            | 1 << feature::SIZE_MAX
-            | 1 << feature::SEG_MAX
-            | 1 << feature::BLK_SIZE
-            | 1 << feature::FLUSH;
-        f |= match self.access {
-            Access::ReadOnly => 1 << feature::RO,
-            Access::ReadWrite => 1 << feature::DISCARD | 1 << feature::WRITE_ZEROES,
-        };
-        f
+        self.state.avail_features()
     }
 
     fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
+        self.state.set_acked_features(features);
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -419,28 +393,15 @@ impl VirtioDevice for Block {
         queues: Vec<Queue>,
         interrupt: Arc<IrqTrigger>,
     ) -> Result<(), ActivateError> {
-        if queues.len() != QUEUE_SIZES.len() {
-            return Err(ActivateError::QueueCount {
-                want: QUEUE_SIZES.len(),
-                got: queues.len(),
-            });
-        }
-        self.interrupt = Some(interrupt.clone());
-        self.active = Some(ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        });
-        Ok(())
+        self.state
+            .activate(self.queues_in_use(), mem, queues, interrupt)
     }
 
     fn reset(&mut self) {
-        self.active = None;
-        self.interrupt = None;
-        self.acked_features = 0;
+        self.state.reset();
     }
 
     fn is_activated(&self) -> bool {
-        self.active.is_some()
+        self.state.is_activated()
     }
 }
