@@ -9,12 +9,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::muxer::VsockMuxer;
 use super::packet::{read_tx_packet, RxBuffer};
 use super::{VsockError, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
-use crate::virtio::queues::{drain_queue, kick, notify_used, ActiveQueues};
+use crate::virtio::device_state::{ActiveQueue, DeviceState};
+use crate::virtio::queues::notify_used;
 use crate::virtio::read_config_bytes;
 use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
@@ -24,9 +25,7 @@ const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
 /// The virtio-vsock device with its hybrid-vsock backend.
 pub struct Vsock {
     guest_cid: u64,
-    acked_features: u64,
-    queue_events: Vec<EventFd>,
-    active: Option<ActiveQueues>,
+    state: DeviceState,
     pub(super) muxer: VsockMuxer,
 }
 
@@ -46,16 +45,17 @@ impl Vsock {
         if guest_cid <= 2 || guest_cid >= u64::from(u32::MAX) {
             return Err(VsockError::InvalidCid(guest_cid));
         }
-        let queue_events = (0..QUEUE_SIZES.len())
-            .map(|_| EventFd::new(EFD_NONBLOCK))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| VsockError::Sys("queue eventfd", e))?;
+        let state = DeviceState::new(
+            "vsock",
+            device_type::VSOCK,
+            1 << VIRTIO_F_VERSION_1,
+            &QUEUE_SIZES,
+        )
+        .map_err(|e| VsockError::Sys("queue eventfd", e))?;
         let muxer = VsockMuxer::new(guest_cid, uds_path, max_connections)?;
         Ok(Self {
             guest_cid,
-            acked_features: 0,
-            queue_events,
-            active: None,
+            state,
             muxer,
         })
     }
@@ -72,7 +72,7 @@ impl Vsock {
 
     /// The features the driver accepted.
     pub fn acked_features(&self) -> u64 {
-        self.acked_features
+        self.state.acked_features()
     }
 
     /// Open connections (including handshakes in progress).
@@ -86,48 +86,34 @@ impl Vsock {
         self.muxer.as_raw_fd()
     }
 
-    pub(super) fn queue_events_ref(&self) -> &[EventFd] {
-        &self.queue_events
+    pub(super) fn state(&self) -> &DeviceState {
+        &self.state
     }
 
     /// Handles guest packets on the TX queue, then sends any replies.
     pub fn process_tx(&mut self) {
-        let Some(active) = self.active.as_mut() else {
+        if !self.state.is_activated() {
             return;
-        };
-        let ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        } = active;
-        let Some(txq) = queues.get_mut(TX_QUEUE) else {
-            return;
-        };
+        }
         let muxer = &mut self.muxer;
-        let more = drain_queue(txq, mem, interrupt, "vsock", |chain| {
+        self.state.serve_queue(TX_QUEUE, |mem, chain| {
             match read_tx_packet(mem, chain) {
                 Ok(pkt) => muxer.send_pkt(pkt),
                 Err(e) => log::debug!("vsock: bad TX packet: {e}"),
             }
             0
         });
-        if more {
-            kick(&self.queue_events, TX_QUEUE, "vsock");
-        }
         self.process_rx();
     }
 
     /// Fills the guest's RX buffers with pending packets.
     pub fn process_rx(&mut self) {
-        let Some(active) = self.active.as_mut() else {
-            return;
-        };
-        let ActiveQueues {
+        let Some(ActiveQueue {
+            queue: rxq,
             mem,
-            queues,
             interrupt,
-        } = active;
-        let Some(rxq) = queues.get_mut(RX_QUEUE) else {
+        }) = self.state.queue_mut(RX_QUEUE)
+        else {
             return;
         };
         let mut used = false;
@@ -140,7 +126,7 @@ impl Vsock {
                 more = true;
                 break;
             }
-            let Some(chain) = rxq.pop_descriptor_chain(&*mem) else {
+            let Some(chain) = rxq.pop_descriptor_chain(mem) else {
                 break;
             };
             let head = chain.head_index();
@@ -149,7 +135,7 @@ impl Vsock {
                 Err(e) => {
                     // Unusable buffer: give it back empty.
                     log::debug!("vsock: bad RX buffer: {e}");
-                    if let Err(e) = rxq.add_used(&*mem, head, 0) {
+                    if let Err(e) = rxq.add_used(mem, head, 0) {
                         log::error!("vsock: RX used ring: {e}");
                     }
                     used = true;
@@ -167,7 +153,7 @@ impl Vsock {
                     0
                 }
             };
-            if let Err(e) = rxq.add_used(&*mem, head, len) {
+            if let Err(e) = rxq.add_used(mem, head, len) {
                 log::error!("vsock: RX used ring: {e}");
             }
             used = true;
@@ -176,7 +162,7 @@ impl Vsock {
             notify_used(rxq, mem, interrupt, "vsock");
         }
         if more {
-            kick(&self.queue_events, RX_QUEUE, "vsock");
+            self.state.kick(RX_QUEUE);
         }
     }
 
@@ -188,13 +174,8 @@ impl Vsock {
 
     /// The queue eventfd of `queue` was signalled: consume it and do the queue's work.
     pub fn process_queue_event(&mut self, queue: usize) {
-        let Some(evt) = self.queue_events.get(queue) else {
+        if !self.state.consume_queue_event(queue) {
             return;
-        };
-        if let Err(e) = evt.read() {
-            if e.kind() != std::io::ErrorKind::WouldBlock {
-                log::error!("vsock: reading queue {queue} event: {e}");
-            }
         }
         match queue {
             RX_QUEUE => self.process_rx(),
@@ -207,23 +188,23 @@ impl Vsock {
 
 impl VirtioDevice for Vsock {
     fn device_type(&self) -> u32 {
-        device_type::VSOCK
+        self.state.device_type()
     }
 
     fn queue_max_sizes(&self) -> &[u16] {
-        &QUEUE_SIZES
+        self.state.queue_sizes()
     }
 
     fn queue_events(&self) -> &[EventFd] {
-        &self.queue_events
+        self.state.queue_events()
     }
 
     fn avail_features(&self) -> u64 {
-        1 << VIRTIO_F_VERSION_1
+        self.state.avail_features()
     }
 
     fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
+        self.state.set_acked_features(features);
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -243,29 +224,19 @@ impl VirtioDevice for Vsock {
         queues: Vec<Queue>,
         interrupt: Arc<IrqTrigger>,
     ) -> Result<(), ActivateError> {
-        if queues.len() != QUEUE_SIZES.len() {
-            return Err(ActivateError::QueueCount {
-                want: QUEUE_SIZES.len(),
-                got: queues.len(),
-            });
-        }
-        self.active = Some(ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        });
+        self.state
+            .activate(self.queues_in_use(), mem, queues, interrupt)?;
         // Packets may be waiting from before the driver was up (host connections).
-        kick(&self.queue_events, RX_QUEUE, "vsock");
+        self.state.kick(RX_QUEUE);
         Ok(())
     }
 
     fn reset(&mut self) {
-        self.active = None;
-        self.acked_features = 0;
+        self.state.reset();
         self.muxer.reset();
     }
 
     fn is_activated(&self) -> bool {
-        self.active.is_some()
+        self.state.is_activated()
     }
 }
