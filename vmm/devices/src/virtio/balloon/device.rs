@@ -4,21 +4,13 @@
 //! Each pass over a queue handles at most one queue's worth of chains, then re-signals itself,
 //! so a guest that keeps a queue full cannot hold the event loop.
 
-use std::sync::Arc;
-
-use virtio_queue::Queue;
-use vmm_sys_util::eventfd::EventFd;
-
 use super::request::{check_deflate, release_inflate, release_report, Released};
 use super::{
     CONFIG_SIZE, DEFLATE_QUEUE, INFLATE_QUEUE, NUM_QUEUES, QUEUE_SIZE, REPORTING_QUEUE,
     VIRTIO_BALLOON_F_REPORTING,
 };
 use crate::virtio::device_state::DeviceState;
-use crate::virtio::{
-    device_type, read_config_bytes, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1,
-};
-use crate::GuestMemory;
+use crate::virtio::{device_type, read_config_bytes, VirtioDevice, VIRTIO_F_VERSION_1};
 
 const QUEUE_SIZES: [u16; NUM_QUEUES] = [QUEUE_SIZE; NUM_QUEUES];
 
@@ -65,11 +57,6 @@ impl Balloon {
         })
     }
 
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.state.acked_features()
-    }
-
     /// Whether the driver negotiated free page reporting.
     pub fn reporting(&self) -> bool {
         self.state.has_acked(VIRTIO_BALLOON_F_REPORTING)
@@ -111,10 +98,6 @@ impl Balloon {
         }
     }
 
-    pub(super) fn state(&self) -> &DeviceState {
-        &self.state
-    }
-
     fn config(&self) -> [u8; CONFIG_SIZE] {
         let mut c = [0u8; CONFIG_SIZE];
         // num_pages (bytes 0..4) stays 0: the host never asks the guest to inflate.
@@ -124,24 +107,12 @@ impl Balloon {
 }
 
 impl VirtioDevice for Balloon {
-    fn device_type(&self) -> u32 {
-        self.state.device_type()
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        self.state.queue_sizes()
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        self.state.queue_events()
-    }
-
-    fn avail_features(&self) -> u64 {
-        self.state.avail_features()
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.state.set_acked_features(features);
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn queues_in_use(&self) -> usize {
@@ -167,22 +138,7 @@ impl VirtioDevice for Balloon {
         }
     }
 
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        self.state
-            .activate(self.queues_in_use(), mem, queues, interrupt)
-    }
-
-    fn reset(&mut self) {
-        self.state.reset();
+    fn on_reset(&mut self) {
         self.actual = 0;
-    }
-
-    fn is_activated(&self) -> bool {
-        self.state.is_activated()
     }
 }

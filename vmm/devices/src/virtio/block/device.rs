@@ -6,11 +6,9 @@
 //! always finishes on the disk it started on.
 
 use std::fs::File;
-use std::sync::Arc;
 
-use virtio_queue::{DescriptorChain, Queue};
+use virtio_queue::DescriptorChain;
 use vm_memory::Bytes;
-use vmm_sys_util::eventfd::EventFd;
 
 use super::backing::{BackingError, DiskFile};
 use super::request::{parse, Request, RequestType};
@@ -19,10 +17,7 @@ use super::{
     MAX_DISCARD_SECTORS, MAX_DISCARD_SEG, QUEUE_SIZE, SECTOR_SIZE, SEG_MAX, SERIAL_LEN, SIZE_MAX,
 };
 use crate::virtio::device_state::DeviceState;
-use crate::virtio::{
-    device_type, read_config_bytes, ActivateError, IrqTrigger, VirtioDevice, INT_CONFIG,
-    VIRTIO_F_VERSION_1,
-};
+use crate::virtio::{device_type, read_config_bytes, VirtioDevice, INT_CONFIG, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
 const QUEUE_SIZES: [u16; 1] = [QUEUE_SIZE];
@@ -102,11 +97,6 @@ impl Block {
         self.stats
     }
 
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.state.acked_features()
-    }
-
     /// Fills the empty slot with `file` under `serial`, and tells the driver.
     pub fn attach(&mut self, serial: String, file: File) -> Result<(), BlockError> {
         if self.disk.is_some() {
@@ -154,10 +144,6 @@ impl Block {
         put(48, &MAX_DISCARD_SECTORS.to_le_bytes());
         put(52, &MAX_DISCARD_SEG.to_le_bytes());
         c
-    }
-
-    pub(super) fn state(&self) -> &DeviceState {
-        &self.state
     }
 
     /// The queue eventfd was signalled: consume it and serve the queue.
@@ -351,24 +337,12 @@ impl Server<'_> {
 }
 
 impl VirtioDevice for Block {
-    fn device_type(&self) -> u32 {
-        self.state.device_type()
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        self.state.queue_sizes()
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        self.state.queue_events()
-    }
-
-    fn avail_features(&self) -> u64 {
-        self.state.avail_features()
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.state.set_acked_features(features);
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -385,23 +359,5 @@ impl VirtioDevice for Block {
 
     fn config_generation(&self) -> u32 {
         self.config_generation
-    }
-
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        self.state
-            .activate(self.queues_in_use(), mem, queues, interrupt)
-    }
-
-    fn reset(&mut self) {
-        self.state.reset();
-    }
-
-    fn is_activated(&self) -> bool {
-        self.state.is_activated()
     }
 }

@@ -3,6 +3,7 @@
 use event_manager::{EventOps, Events, MutEventSubscriber};
 
 use super::device::Block;
+use crate::virtio::VirtioDevice;
 
 impl MutEventSubscriber for Block {
     fn process(&mut self, _events: Events, _ops: &mut EventOps) {

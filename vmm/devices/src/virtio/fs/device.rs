@@ -10,15 +10,12 @@ use std::sync::Arc;
 use fuse_backend_rs::api::filesystem::FileSystem;
 use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::passthrough::{Config, PassthroughFs};
-use virtio_queue::Queue;
-use vmm_sys_util::eventfd::EventFd;
 
 use super::request::{handle_request, FsServer};
 use super::{validate_tag, FsError, CONFIG_SIZE, NUM_REQUEST_QUEUES, QUEUE_SIZE, TAG_MAX_LEN};
 use crate::virtio::device_state::DeviceState;
 use crate::virtio::read_config_bytes;
-use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
-use crate::GuestMemory;
+use crate::virtio::{device_type, VirtioDevice, VIRTIO_F_VERSION_1};
 
 /// Number of queues: the high-priority queue plus the request queues.
 const NUM_QUEUES: usize = 1 + NUM_REQUEST_QUEUES as usize;
@@ -109,18 +106,9 @@ impl VirtioFs {
         &self.host_dir
     }
 
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.state.acked_features()
-    }
-
     /// What the device has done so far.
     pub fn stats(&self) -> FsStats {
         self.stats
-    }
-
-    pub(super) fn state(&self) -> &DeviceState {
-        &self.state
     }
 
     /// Serves the available chains of `queue` (at most one queue's worth per call).
@@ -153,24 +141,12 @@ impl VirtioFs {
 }
 
 impl VirtioDevice for VirtioFs {
-    fn device_type(&self) -> u32 {
-        self.state.device_type()
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        self.state.queue_sizes()
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        self.state.queue_events()
-    }
-
-    fn avail_features(&self) -> u64 {
-        self.state.avail_features()
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.state.set_acked_features(features);
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -184,23 +160,8 @@ impl VirtioDevice for VirtioFs {
         );
     }
 
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        self.state
-            .activate(self.queues_in_use(), mem, queues, interrupt)
-    }
-
-    fn reset(&mut self) {
-        self.state.reset();
+    fn on_reset(&mut self) {
         // Forget the guest's inodes and open handles; the next INIT starts afresh.
         self.fs.destroy();
-    }
-
-    fn is_activated(&self) -> bool {
-        self.state.is_activated()
     }
 }

@@ -3,6 +3,7 @@
 use event_manager::{EventOps, Events, MutEventSubscriber};
 
 use super::device::VirtioFs;
+use crate::virtio::VirtioDevice;
 
 impl MutEventSubscriber for VirtioFs {
     fn process(&mut self, events: Events, _ops: &mut EventOps) {

@@ -10,12 +10,10 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
 
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory as _};
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::eventfd::EventFd;
 
 use super::tap::Tap;
 use super::{
@@ -25,7 +23,7 @@ use super::{
 use crate::virtio::device_state::{ActiveQueue, DeviceState};
 use crate::virtio::queues::notify_used;
 use crate::virtio::read_config_bytes;
-use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
+use crate::virtio::{device_type, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
 const NUM_QUEUES: usize = 2;
@@ -193,11 +191,6 @@ impl<B: NetBackend> Net<B> {
         self.mtu
     }
 
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.state.acked_features()
-    }
-
     /// What the device has done so far.
     pub fn stats(&self) -> NetStats {
         self.stats
@@ -234,10 +227,6 @@ impl<B: NetBackend> Net<B> {
             set |= EventSet::OUT;
         }
         set
-    }
-
-    pub(super) fn state(&self) -> &DeviceState {
-        &self.state
     }
 
     /// The queue eventfd of `queue` was signalled: consume it and do the queue's work.
@@ -592,24 +581,12 @@ fn write_frame(
 }
 
 impl<B: NetBackend> VirtioDevice for Net<B> {
-    fn device_type(&self) -> u32 {
-        self.state.device_type()
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        self.state.queue_sizes()
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        self.state.queue_events()
-    }
-
-    fn avail_features(&self) -> u64 {
-        self.state.avail_features()
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.state.set_acked_features(features);
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -624,30 +601,17 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
         );
     }
 
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        self.state
-            .activate(self.queues_in_use(), mem, queues, interrupt)?;
+    fn on_activate(&mut self) {
         self.rx_state = RxState::Reading;
         self.tx_pending = None;
         // Wake the event loop: it starts watching the backend and fills the posted buffers.
         self.state.kick(RX_QUEUE);
-        Ok(())
     }
 
-    fn reset(&mut self) {
-        self.state.reset();
+    fn on_reset(&mut self) {
         self.tx_pending = None;
         self.rx_state = RxState::Reading;
         // The event loop drops its interest in the backend the next time it looks.
         self.state.kick(RX_QUEUE);
-    }
-
-    fn is_activated(&self) -> bool {
-        self.state.is_activated()
     }
 }

@@ -6,6 +6,7 @@
 use event_manager::{EventOps, Events, MutEventSubscriber};
 
 use super::device::{Net, NetBackend};
+use crate::virtio::VirtioDevice;
 
 /// Event data of the backend fd; queue eventfds use their queue index.
 const BACKEND: u32 = 100;

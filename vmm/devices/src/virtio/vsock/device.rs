@@ -6,10 +6,8 @@
 //! hold the event loop.
 
 use std::path::Path;
-use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vmm_sys_util::eventfd::EventFd;
+use virtio_queue::{QueueOwnedT, QueueT};
 
 use super::muxer::VsockMuxer;
 use super::packet::{read_tx_packet, RxBuffer};
@@ -17,8 +15,7 @@ use super::{VsockError, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
 use crate::virtio::device_state::{ActiveQueue, DeviceState};
 use crate::virtio::queues::notify_used;
 use crate::virtio::read_config_bytes;
-use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
-use crate::GuestMemory;
+use crate::virtio::{device_type, VirtioDevice, VIRTIO_F_VERSION_1};
 
 const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
 
@@ -70,11 +67,6 @@ impl Vsock {
         self.muxer.uds_path()
     }
 
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.state.acked_features()
-    }
-
     /// Open connections (including handshakes in progress).
     pub fn connection_count(&self) -> usize {
         self.muxer.connection_count()
@@ -84,10 +76,6 @@ impl Vsock {
     pub fn backend_fd(&self) -> std::os::unix::io::RawFd {
         use std::os::unix::io::AsRawFd;
         self.muxer.as_raw_fd()
-    }
-
-    pub(super) fn state(&self) -> &DeviceState {
-        &self.state
     }
 
     /// Handles guest packets on the TX queue, then sends any replies.
@@ -187,24 +175,12 @@ impl Vsock {
 }
 
 impl VirtioDevice for Vsock {
-    fn device_type(&self) -> u32 {
-        self.state.device_type()
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        self.state.queue_sizes()
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        self.state.queue_events()
-    }
-
-    fn avail_features(&self) -> u64 {
-        self.state.avail_features()
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.state.set_acked_features(features);
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -218,25 +194,12 @@ impl VirtioDevice for Vsock {
         );
     }
 
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        self.state
-            .activate(self.queues_in_use(), mem, queues, interrupt)?;
+    fn on_activate(&mut self) {
         // Packets may be waiting from before the driver was up (host connections).
         self.state.kick(RX_QUEUE);
-        Ok(())
     }
 
-    fn reset(&mut self) {
-        self.state.reset();
+    fn on_reset(&mut self) {
         self.muxer.reset();
-    }
-
-    fn is_activated(&self) -> bool {
-        self.state.is_activated()
     }
 }

@@ -4,6 +4,7 @@ use event_manager::{EventOps, Events, MutEventSubscriber};
 use vmm_sys_util::epoll::EventSet;
 
 use super::device::Vsock;
+use crate::virtio::VirtioDevice;
 
 /// Event data of the backend (muxer) fd; queue eventfds use their queue index.
 const BACKEND: u32 = 100;
