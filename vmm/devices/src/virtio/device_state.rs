@@ -36,16 +36,6 @@ pub enum QueueEventError {
     },
 }
 
-/// One activated queue, borrowed with what serving it needs.
-pub struct ActiveQueue<'a> {
-    /// The queue.
-    pub queue: &'a mut Queue,
-    /// Guest memory the queue lives in.
-    pub mem: &'a GuestMemory,
-    /// The device's interrupt line.
-    pub interrupt: &'a IrqTrigger,
-}
-
 /// The state every virtio device keeps the same way (see the module docs).
 pub struct DeviceState {
     name: &'static str,
@@ -162,19 +152,16 @@ impl DeviceState {
         self.active.as_ref()
     }
 
-    /// Queue `index` with its memory and interrupt line, if the device is activated and the
-    /// driver set that queue up.
-    pub fn queue_mut(&mut self, index: usize) -> Option<ActiveQueue<'_>> {
+    /// Queue `index` with what serving it needs: (the queue, the guest memory it lives in, the
+    /// device's interrupt line); `None` before activation or for a queue the driver did not set
+    /// up.
+    pub fn queue_mut(&mut self, index: usize) -> Option<(&mut Queue, &GuestMemory, &IrqTrigger)> {
         let ActiveQueues {
             mem,
             queues,
             interrupt,
         } = self.active.as_mut()?;
-        Some(ActiveQueue {
-            queue: queues.get_mut(index)?,
-            mem,
-            interrupt,
-        })
+        Some((queues.get_mut(index)?, mem, interrupt))
     }
 
     /// Serves at most one queue's worth of the available chains of queue `index` with `serve`
@@ -186,17 +173,21 @@ impl DeviceState {
         F: FnMut(&GuestMemory, DescriptorChain<&GuestMemory>) -> u32,
     {
         let name = self.name;
-        let Some(ActiveQueue {
-            queue,
-            mem,
-            interrupt,
-        }) = self.queue_mut(index)
-        else {
+        let Some((queue, mem, interrupt)) = self.queue_mut(index) else {
             return;
         };
         if drain_queue(queue, mem, interrupt, name, |chain| serve(mem, chain)) {
             self.kick(index);
         }
+    }
+
+    /// A driver's write to a config space (or a part of it) that is read-only: logged, ignored.
+    pub fn ignore_config_write(&self, offset: u64, data: &[u8]) {
+        log::debug!(
+            "{}: ignoring a {}-byte config write at {offset:#x}",
+            self.name,
+            data.len()
+        );
     }
 
     /// Signals queue `index`'s eventfd so the event loop serves it again on its next turn.

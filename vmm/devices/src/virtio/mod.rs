@@ -163,8 +163,11 @@ pub trait VirtioDevice: Send {
     }
     /// A read of the device-specific config space. Out-of-range bytes read as zero.
     fn read_config(&self, offset: u64, data: &mut [u8]);
-    /// A write to the device-specific config space. Out-of-range writes are ignored.
-    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// A write to the device-specific config space. Out-of-range writes are ignored; by
+    /// default the whole config space is read-only (the write is logged at debug level).
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        self.state().ignore_config_write(offset, data);
+    }
     /// The driver set DRIVER_OK: start serving `queues` (already checked valid) over `mem`.
     /// Refused with [`ActivateError::QueueCount`] unless there are [`queues_in_use`] of them;
     /// then [`on_activate`] runs.

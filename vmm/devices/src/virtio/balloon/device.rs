@@ -131,10 +131,7 @@ impl VirtioDevice for Balloon {
         // Only `actual` is the driver's to write, and only whole.
         match <[u8; 4]>::try_from(data) {
             Ok(v) if offset == ACTUAL_OFFSET => self.actual = u32::from_le_bytes(v),
-            _ => log::debug!(
-                "virtio-balloon: ignoring a {}-byte config write at {offset:#x}",
-                data.len()
-            ),
+            _ => self.state.ignore_config_write(offset, data),
         }
     }
 

@@ -131,6 +131,8 @@ impl Block {
         }
     }
 
+    /// The config space. The driver writes none of it: only `writeback` is writable, and only
+    /// with CONFIG_WCE, which we do not offer.
     fn config_bytes(&self) -> [u8; CONFIG_LEN] {
         let mut c = [0u8; CONFIG_LEN];
         let mut put = |off: usize, v: &[u8]| c[off..off + v.len()].copy_from_slice(v);
@@ -347,14 +349,6 @@ impl VirtioDevice for Block {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.config_bytes(), offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        // Only `writeback` is writable, and only with CONFIG_WCE, which we do not offer.
-        log::debug!(
-            "virtio-blk: ignoring a {}-byte config write at {offset:#x}",
-            data.len()
-        );
     }
 
     fn config_generation(&self) -> u32 {

@@ -153,13 +153,6 @@ impl VirtioDevice for VirtioFs {
         read_config_bytes(&self.config, offset, data);
     }
 
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        log::debug!(
-            "virtio-fs: ignoring a {}-byte config write at {offset:#x}",
-            data.len()
-        );
-    }
-
     fn on_reset(&mut self) {
         // Forget the guest's inodes and open handles; the next INIT starts afresh.
         self.fs.destroy();

@@ -20,7 +20,7 @@ use super::{
     features, validate_mac, validate_mtu, NetError, ETH_HLEN, MAX_BUFFER_SIZE, QUEUE_SIZE,
     RX_QUEUE, STATUS_LINK_UP, TX_QUEUE, VNET_HDR_LEN, VNET_HDR_NUM_BUFFERS,
 };
-use crate::virtio::device_state::{ActiveQueue, DeviceState};
+use crate::virtio::device_state::DeviceState;
 use crate::virtio::queues::notify_used;
 use crate::virtio::read_config_bytes;
 use crate::virtio::{device_type, VirtioDevice, VIRTIO_F_VERSION_1};
@@ -29,6 +29,7 @@ use crate::GuestMemory;
 const NUM_QUEUES: usize = 2;
 const QUEUE_SIZES: [u16; NUM_QUEUES] = [QUEUE_SIZE; NUM_QUEUES];
 /// Config space: mac[6], status u16, max_virtqueue_pairs u16, mtu u16 (all little endian).
+/// Read-only: the MAC is read-only for a virtio 1.x driver (changing it needs the control queue).
 const CONFIG_SIZE: usize = 12;
 /// The smallest chain the device accepts either way: a vnet header and an Ethernet header.
 const MIN_CHAIN_LEN: usize = VNET_HDR_LEN + ETH_HLEN;
@@ -271,12 +272,7 @@ impl<B: NetBackend> Net<B> {
         if self.backend_state == BackendState::Failed {
             return;
         }
-        let Some(ActiveQueue {
-            queue: rxq,
-            mem,
-            interrupt,
-        }) = self.state.queue_mut(RX_QUEUE)
-        else {
+        let Some((rxq, mem, interrupt)) = self.state.queue_mut(RX_QUEUE) else {
             return;
         };
         let mut used = false;
@@ -349,12 +345,7 @@ impl<B: NetBackend> Net<B> {
     /// Sends the guest's frames to the backend: first the one the backend refused last time,
     /// then at most one queue's worth of chains (re-signalling the queue for the rest).
     pub fn process_tx(&mut self) {
-        let Some(ActiveQueue {
-            queue: txq,
-            mem,
-            interrupt,
-        }) = self.state.queue_mut(TX_QUEUE)
-        else {
+        let Some((txq, mem, interrupt)) = self.state.queue_mut(TX_QUEUE) else {
             return;
         };
         if let Some(len) = self.tx_pending {
@@ -591,14 +582,6 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.config, offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        // The MAC is read-only for a virtio 1.x driver (changing it needs the control queue).
-        log::debug!(
-            "virtio-net: ignoring a {}-byte config write at {offset:#x}",
-            data.len()
-        );
     }
 
     fn on_activate(&mut self) {

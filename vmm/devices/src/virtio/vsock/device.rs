@@ -12,7 +12,7 @@ use virtio_queue::{QueueOwnedT, QueueT};
 use super::muxer::VsockMuxer;
 use super::packet::{read_tx_packet, RxBuffer};
 use super::{VsockError, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
-use crate::virtio::device_state::{ActiveQueue, DeviceState};
+use crate::virtio::device_state::DeviceState;
 use crate::virtio::queues::notify_used;
 use crate::virtio::read_config_bytes;
 use crate::virtio::{device_type, VirtioDevice, VIRTIO_F_VERSION_1};
@@ -96,12 +96,7 @@ impl Vsock {
 
     /// Fills the guest's RX buffers with pending packets.
     pub fn process_rx(&mut self) {
-        let Some(ActiveQueue {
-            queue: rxq,
-            mem,
-            interrupt,
-        }) = self.state.queue_mut(RX_QUEUE)
-        else {
+        let Some((rxq, mem, interrupt)) = self.state.queue_mut(RX_QUEUE) else {
             return;
         };
         let mut used = false;
@@ -185,13 +180,6 @@ impl VirtioDevice for Vsock {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        log::debug!(
-            "vsock: ignoring a {}-byte config write at {offset:#x}",
-            data.len()
-        );
     }
 
     fn on_activate(&mut self) {
