@@ -6,6 +6,20 @@
 //! owns the register file the driver sees and hands the configured queues to the device when the
 //! driver sets `DRIVER_OK`.
 //!
+//! What every device keeps the same way lives once, in [`device_state::DeviceState`], which each
+//! device embeds: its type, the features offered and acked (masked by the offer), the queue sizes
+//! and eventfds, the activated queues (activation checks their count, a reset drops them and the
+//! features), consuming a queue event and registering the eventfds on the event loop.
+//! [`VirtioDevice`]'s provided methods answer the transport from it, so a device's `device.rs`
+//! holds only its own part: config space, its queue work, and what it adds on activation
+//! (`on_activate`) and reset (`on_reset`). [`queues`] has the queue work every device does the
+//! same way (a bounded batch of chains, the used ring, the interrupt, re-signalling).
+//!
+//! Files: `mmio.rs` (the transport), `device_state.rs` (the shared device state), `queues.rs`
+//! (shared queue work), and one folder per device: `mod.rs` (constants, limits, errors),
+//! `device.rs` (the [`VirtioDevice`] and its queue processing), `event_handler.rs` (event-loop
+//! glue), the device's request parsing or backend, `tests.rs`.
+//!
 //! Threads: the transport runs on vCPU threads (register accesses), the device's event handling
 //! on the single device event-loop thread; the device is shared between them as `Arc<Mutex<_>>`.
 
