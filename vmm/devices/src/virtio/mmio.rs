@@ -408,34 +408,25 @@ impl BusDevice for MmioTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::virtio::DeviceState;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use vm_memory::GuestAddress;
 
-    /// A device that records what the transport did to it.
+    /// A device that records what the transport did to it: two queues of 16, features
+    /// VERSION_1 and bit 3.
     struct Recorder {
-        evts: Vec<EventFd>,
-        acked: u64,
-        activated: bool,
+        state: DeviceState,
         activations: Arc<AtomicUsize>,
         config: [u8; 8],
         generation: u32,
     }
 
     impl VirtioDevice for Recorder {
-        fn device_type(&self) -> u32 {
-            super::super::device_type::VSOCK
+        fn state(&self) -> &DeviceState {
+            &self.state
         }
-        fn queue_max_sizes(&self) -> &[u16] {
-            &[16, 16]
-        }
-        fn queue_events(&self) -> &[EventFd] {
-            &self.evts
-        }
-        fn avail_features(&self) -> u64 {
-            1 << VIRTIO_F_VERSION_1 | 1 << 3
-        }
-        fn set_acked_features(&mut self, features: u64) {
-            self.acked = features;
+        fn state_mut(&mut self) -> &mut DeviceState {
+            &mut self.state
         }
         fn read_config(&self, offset: u64, data: &mut [u8]) {
             for (i, b) in data.iter_mut().enumerate() {
@@ -447,22 +438,8 @@ mod tests {
             }
         }
         fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
-        fn activate(
-            &mut self,
-            _mem: GuestMemory,
-            queues: Vec<Queue>,
-            _interrupt: Arc<IrqTrigger>,
-        ) -> Result<(), ActivateError> {
-            assert_eq!(queues.len(), 2);
-            self.activated = true;
+        fn on_activate(&mut self) {
             self.activations.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        }
-        fn reset(&mut self) {
-            self.activated = false;
-        }
-        fn is_activated(&self) -> bool {
-            self.activated
         }
         fn config_generation(&self) -> u32 {
             self.generation
@@ -473,12 +450,13 @@ mod tests {
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let activations = Arc::new(AtomicUsize::new(0));
         let dev = Arc::new(Mutex::new(Recorder {
-            evts: vec![
-                EventFd::new(EFD_NONBLOCK).unwrap(),
-                EventFd::new(EFD_NONBLOCK).unwrap(),
-            ],
-            acked: 0,
-            activated: false,
+            state: DeviceState::new(
+                "recorder",
+                super::super::device_type::VSOCK,
+                1 << VIRTIO_F_VERSION_1 | 1 << 3,
+                &[16, 16],
+            )
+            .unwrap(),
             activations: activations.clone(),
             config: [1, 2, 3, 4, 5, 6, 7, 8],
             generation: 0,
@@ -586,7 +564,7 @@ mod tests {
         assert_eq!(t.status(), 0);
         negotiate(&mut t);
         assert_eq!(t.status() & status::FEATURES_OK, status::FEATURES_OK);
-        assert_eq!(lock(&dev).acked, 1 << VIRTIO_F_VERSION_1);
+        assert_eq!(lock(&dev).acked_features(), 1 << VIRTIO_F_VERSION_1);
         setup_queue(&mut t, 0, 0x1_0000);
         // Queue 1 left unconfigured: DRIVER_OK fails and asks for a reset.
         w(&mut t, reg::STATUS, 0xf);
@@ -605,15 +583,15 @@ mod tests {
         w(&mut t, reg::STATUS, 0xf);
         assert_eq!(t.status(), 0xf);
         assert_eq!(activations.load(Ordering::SeqCst), 1);
-        assert!(lock(&dev).activated);
+        assert!(lock(&dev).is_activated());
         // Queue config is frozen after DRIVER_OK.
         w(&mut t, reg::QUEUE_READY, 0);
         assert_eq!(r(&mut t, reg::QUEUE_READY), 1);
         // Notify signals the queue's eventfd; unknown queues are ignored.
         w(&mut t, reg::QUEUE_NOTIFY, 1);
         w(&mut t, reg::QUEUE_NOTIFY, 9);
-        assert_eq!(lock(&dev).evts[1].read().unwrap(), 1);
-        assert!(lock(&dev).evts[0].read().is_err());
+        assert_eq!(lock(&dev).queue_events()[1].read().unwrap(), 1);
+        assert!(lock(&dev).queue_events()[0].read().is_err());
         // Interrupt status and ACK.
         t.interrupt().trigger(super::super::INT_VRING).unwrap();
         assert_eq!(r(&mut t, reg::INTERRUPT_STATUS), 1);
@@ -621,7 +599,7 @@ mod tests {
         assert_eq!(r(&mut t, reg::INTERRUPT_STATUS), 0);
         // Reset deactivates the device.
         w(&mut t, reg::STATUS, 0);
-        assert!(!lock(&dev).activated);
+        assert!(!lock(&dev).is_activated());
     }
 
     #[test]
@@ -693,7 +671,7 @@ mod tests {
                 t.write(offset, &data);
             }
             // The device is only ever active while the driver says DRIVER_OK.
-            if lock(&dev).activated {
+            if lock(&dev).is_activated() {
                 assert_ne!(t.status() & status::DRIVER_OK, 0);
             }
         }

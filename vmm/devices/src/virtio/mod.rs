@@ -6,11 +6,26 @@
 //! owns the register file the driver sees and hands the configured queues to the device when the
 //! driver sets `DRIVER_OK`.
 //!
+//! What every device keeps the same way lives once, in [`device_state::DeviceState`], which each
+//! device embeds: its type, the features offered and acked (masked by the offer), the queue sizes
+//! and eventfds, the activated queues (activation checks their count, a reset drops them and the
+//! features), consuming a queue event and registering the eventfds on the event loop.
+//! [`VirtioDevice`]'s provided methods answer the transport from it, so a device's `device.rs`
+//! holds only its own part: config space, its queue work, and what it adds on activation
+//! (`on_activate`) and reset (`on_reset`). [`queues`] has the queue work every device does the
+//! same way (a bounded batch of chains, the used ring, the interrupt, re-signalling).
+//!
+//! Files: `mmio.rs` (the transport), `device_state.rs` (the shared device state), `queues.rs`
+//! (shared queue work), and one folder per device: `mod.rs` (constants, limits, errors),
+//! `device.rs` (the [`VirtioDevice`] and its queue processing), `event_handler.rs` (event-loop
+//! glue), the device's request parsing or backend, `tests.rs`.
+//!
 //! Threads: the transport runs on vCPU threads (register accesses), the device's event handling
 //! on the single device event-loop thread; the device is shared between them as `Arc<Mutex<_>>`.
 
 pub mod balloon;
 pub mod block;
+pub mod device_state;
 pub mod fs;
 pub mod mmio;
 pub mod net;
@@ -26,6 +41,7 @@ use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::GuestMemory;
+pub use device_state::DeviceState;
 
 /// Interrupt status bit: a used ring was updated.
 pub const INT_VRING: u32 = 0x01;
@@ -117,17 +133,42 @@ pub enum ActivateError {
 }
 
 /// A virtio device model, as the transport sees it.
+///
+/// A device embeds a [`DeviceState`] (its type, features, queue sizes and eventfds, activated
+/// queues) and hands it out through [`state`](Self::state) / [`state_mut`](Self::state_mut); the
+/// provided methods answer the transport from it. A device implements only what is its own: its
+/// config space, and, where it has more to do than the shared state, `queues_in_use`,
+/// `on_activate`, `on_reset` and `config_generation`.
 pub trait VirtioDevice: Send {
+    /// The state every device keeps the same way.
+    fn state(&self) -> &DeviceState;
+    /// The same, to change.
+    fn state_mut(&mut self) -> &mut DeviceState;
     /// The virtio device id ([`device_type`]).
-    fn device_type(&self) -> u32;
+    fn device_type(&self) -> u32 {
+        self.state().device_type()
+    }
     /// The maximum size of each of the device's queues; its length is the number of queues.
-    fn queue_max_sizes(&self) -> &[u16];
+    fn queue_max_sizes(&self) -> &[u16] {
+        self.state().queue_sizes()
+    }
     /// The eventfds the transport signals on a QueueNotify for each queue (same order).
-    fn queue_events(&self) -> &[EventFd];
+    fn queue_events(&self) -> &[EventFd] {
+        self.state().queue_events()
+    }
     /// The feature bits the device offers (must include [`VIRTIO_F_VERSION_1`]).
-    fn avail_features(&self) -> u64;
-    /// The features the driver accepted (a subset of the offered ones; the transport checks).
-    fn set_acked_features(&mut self, features: u64);
+    fn avail_features(&self) -> u64 {
+        self.state().avail_features()
+    }
+    /// The features the driver accepted (0 before negotiation and after a reset).
+    fn acked_features(&self) -> u64 {
+        self.state().acked_features()
+    }
+    /// The features the driver accepted (a subset of the offered ones; the transport checks,
+    /// and the device masks them by its offer too).
+    fn set_acked_features(&mut self, features: u64) {
+        self.state_mut().set_acked_features(features);
+    }
     /// How many of the queues (the first ones, in order) the driver sets up with the features
     /// it accepted: a queue that exists only with a feature (e.g. the balloon's reporting queue)
     /// is absent without it. The transport activates the device with these and ignores the rest.
@@ -136,19 +177,42 @@ pub trait VirtioDevice: Send {
     }
     /// A read of the device-specific config space. Out-of-range bytes read as zero.
     fn read_config(&self, offset: u64, data: &mut [u8]);
-    /// A write to the device-specific config space. Out-of-range writes are ignored.
-    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// A write to the device-specific config space. Out-of-range writes are ignored; by
+    /// default the whole config space is read-only (the write is logged at debug level).
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        self.state().ignore_config_write(offset, data);
+    }
     /// The driver set DRIVER_OK: start serving `queues` (already checked valid) over `mem`.
+    /// Refused with [`ActivateError::QueueCount`] unless there are [`queues_in_use`] of them;
+    /// then [`on_activate`] runs.
+    ///
+    /// [`queues_in_use`]: Self::queues_in_use
+    /// [`on_activate`]: Self::on_activate
     fn activate(
         &mut self,
         mem: GuestMemory,
         queues: Vec<Queue>,
         interrupt: std::sync::Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError>;
-    /// The driver reset the device (status 0): drop the queues and any guest-visible state.
-    fn reset(&mut self);
+    ) -> Result<(), ActivateError> {
+        let want = self.queues_in_use();
+        self.state_mut().activate(want, mem, queues, interrupt)?;
+        self.on_activate();
+        Ok(())
+    }
+    /// What the device does once its queues are activated, beyond the shared state.
+    fn on_activate(&mut self) {}
+    /// The driver reset the device (status 0): drop the queues and the acked features, then
+    /// [`on_reset`](Self::on_reset) drops the device's own guest-visible state.
+    fn reset(&mut self) {
+        self.state_mut().reset();
+        self.on_reset();
+    }
+    /// What the device forgets on a reset, beyond the shared state.
+    fn on_reset(&mut self) {}
     /// Whether the device is activated.
-    fn is_activated(&self) -> bool;
+    fn is_activated(&self) -> bool {
+        self.state().is_activated()
+    }
     /// A counter the device bumps when it changes its config space on its own (e.g. a disk's
     /// capacity); the transport adds it to the `ConfigGeneration` register it reports.
     fn config_generation(&self) -> u32 {

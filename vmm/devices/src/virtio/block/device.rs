@@ -6,11 +6,9 @@
 //! always finishes on the disk it started on.
 
 use std::fs::File;
-use std::sync::Arc;
 
-use virtio_queue::{DescriptorChain, Queue};
+use virtio_queue::DescriptorChain;
 use vm_memory::Bytes;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::backing::{BackingError, DiskFile};
 use super::request::{parse, Request, RequestType};
@@ -18,11 +16,8 @@ use super::{
     feature, status, validate_serial, Access, BlockError, BLOCK_SIZE, CONFIG_LEN,
     MAX_DISCARD_SECTORS, MAX_DISCARD_SEG, QUEUE_SIZE, SECTOR_SIZE, SEG_MAX, SERIAL_LEN, SIZE_MAX,
 };
-use crate::virtio::queues::{drain_queue, kick, ActiveQueues};
-use crate::virtio::{
-    device_type, read_config_bytes, ActivateError, IrqTrigger, VirtioDevice, INT_CONFIG,
-    VIRTIO_F_VERSION_1,
-};
+use crate::virtio::device_state::DeviceState;
+use crate::virtio::{device_type, read_config_bytes, VirtioDevice, INT_CONFIG, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
 const QUEUE_SIZES: [u16; 1] = [QUEUE_SIZE];
@@ -45,11 +40,7 @@ pub struct Block {
     serial: String,
     access: Access,
     disk: Option<DiskFile>,
-    acked_features: u64,
-    queue_events: Vec<EventFd>,
-    active: Option<ActiveQueues>,
-    /// The driver's config-change interrupt line, kept from activation.
-    interrupt: Option<Arc<IrqTrigger>>,
+    state: DeviceState,
     /// Bumped on every device-side config change.
     config_generation: u32,
     stats: BlockStats,
@@ -60,15 +51,22 @@ impl Block {
     pub fn new(serial: String, file: Option<File>, access: Access) -> Result<Self, BlockError> {
         validate_serial(&serial)?;
         let disk = file.map(DiskFile::new).transpose()?;
-        let queue_events = vec![EventFd::new(EFD_NONBLOCK).map_err(BlockError::EventFd)?];
+        let mut features = 1 << VIRTIO_F_VERSION_1
+            | 1 << feature::SIZE_MAX
+            | 1 << feature::SEG_MAX
+            | 1 << feature::BLK_SIZE
+            | 1 << feature::FLUSH;
+        features |= match access {
+            Access::ReadOnly => 1 << feature::RO,
+            Access::ReadWrite => 1 << feature::DISCARD | 1 << feature::WRITE_ZEROES,
+        };
+        let state = DeviceState::new("virtio-blk", device_type::BLOCK, features, &QUEUE_SIZES)
+            .map_err(BlockError::EventFd)?;
         Ok(Self {
             serial,
             access,
             disk,
-            acked_features: 0,
-            queue_events,
-            active: None,
-            interrupt: None,
+            state,
             config_generation: 0,
             stats: BlockStats::default(),
         })
@@ -99,11 +97,6 @@ impl Block {
         self.stats
     }
 
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.acked_features
-    }
-
     /// Fills the empty slot with `file` under `serial`, and tells the driver.
     pub fn attach(&mut self, serial: String, file: File) -> Result<(), BlockError> {
         if self.disk.is_some() {
@@ -130,13 +123,16 @@ impl Block {
 
     fn config_changed(&mut self) {
         self.config_generation = self.config_generation.wrapping_add(1);
-        if let Some(irq) = &self.interrupt {
-            if let Err(e) = irq.trigger(INT_CONFIG) {
+        // The driver's interrupt line, from activation until a reset.
+        if let Some(active) = self.state.active() {
+            if let Err(e) = active.interrupt.trigger(INT_CONFIG) {
                 log::error!("virtio-blk: raising the config interrupt: {e}");
             }
         }
     }
 
+    /// The config space. The driver writes none of it: only `writeback` is writable, and only
+    /// with CONFIG_WCE, which we do not offer.
     fn config_bytes(&self) -> [u8; CONFIG_LEN] {
         let mut c = [0u8; CONFIG_LEN];
         let mut put = |off: usize, v: &[u8]| c[off..off + v.len()].copy_from_slice(v);
@@ -152,47 +148,22 @@ impl Block {
         c
     }
 
-    pub(super) fn queue_events_ref(&self) -> &[EventFd] {
-        &self.queue_events
-    }
-
     /// The queue eventfd was signalled: consume it and serve the queue.
     pub fn process_queue_event(&mut self) {
-        if let Some(evt) = self.queue_events.first() {
-            if let Err(e) = evt.read() {
-                if e.kind() != std::io::ErrorKind::WouldBlock {
-                    log::error!("virtio-blk: reading the queue event: {e}");
-                }
-            }
-        }
+        self.state.consume_queue_event(0);
         self.process_queue();
     }
 
     /// Serves at most one queue's worth of requests.
     pub fn process_queue(&mut self) {
-        let Some(active) = self.active.as_mut() else {
-            return;
-        };
-        let ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        } = active;
-        let Some(q) = queues.first_mut() else {
-            return;
-        };
         let mut server = Server {
             disk: &mut self.disk,
             serial: &self.serial,
             access: self.access,
             stats: &mut self.stats,
         };
-        let more = drain_queue(q, mem, interrupt, "virtio-blk", |chain| {
-            server.serve(mem, chain)
-        });
-        if more {
-            kick(&self.queue_events, 0, "virtio-blk");
-        }
+        self.state
+            .serve_queue(0, |mem, chain| server.serve(mem, chain));
     }
 }
 
@@ -368,79 +339,19 @@ impl Server<'_> {
 }
 
 impl VirtioDevice for Block {
-    fn device_type(&self) -> u32 {
-        device_type::BLOCK
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &QUEUE_SIZES
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        &self.queue_events
-    }
-
-    fn avail_features(&self) -> u64 {
-        let mut f = 1 << VIRTIO_F_VERSION_1
-            | 1 << feature::SIZE_MAX
-            | 1 << feature::SEG_MAX
-            | 1 << feature::BLK_SIZE
-            | 1 << feature::FLUSH;
-        f |= match self.access {
-            Access::ReadOnly => 1 << feature::RO,
-            Access::ReadWrite => 1 << feature::DISCARD | 1 << feature::WRITE_ZEROES,
-        };
-        f
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.config_bytes(), offset, data);
     }
 
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        // Only `writeback` is writable, and only with CONFIG_WCE, which we do not offer.
-        log::debug!(
-            "virtio-blk: ignoring a {}-byte config write at {offset:#x}",
-            data.len()
-        );
-    }
-
     fn config_generation(&self) -> u32 {
         self.config_generation
-    }
-
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != QUEUE_SIZES.len() {
-            return Err(ActivateError::QueueCount {
-                want: QUEUE_SIZES.len(),
-                got: queues.len(),
-            });
-        }
-        self.interrupt = Some(interrupt.clone());
-        self.active = Some(ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        });
-        Ok(())
-    }
-
-    fn reset(&mut self) {
-        self.active = None;
-        self.interrupt = None;
-        self.acked_features = 0;
-    }
-
-    fn is_activated(&self) -> bool {
-        self.active.is_some()
     }
 }

@@ -1,9 +1,9 @@
 //! Glue between the block device and the device event loop (`event_manager`).
 
 use event_manager::{EventOps, Events, MutEventSubscriber};
-use vmm_sys_util::epoll::EventSet;
 
 use super::device::Block;
+use crate::virtio::VirtioDevice;
 
 impl MutEventSubscriber for Block {
     fn process(&mut self, _events: Events, _ops: &mut EventOps) {
@@ -11,10 +11,6 @@ impl MutEventSubscriber for Block {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        if let Some(evt) = self.queue_events_ref().first() {
-            if let Err(e) = ops.add(Events::with_data(evt, 0, EventSet::IN)) {
-                log::error!("virtio-blk: registering the queue: {e:?}");
-            }
-        }
+        self.state().register_queue_events(ops);
     }
 }

@@ -10,15 +10,12 @@ use std::sync::Arc;
 use fuse_backend_rs::api::filesystem::FileSystem;
 use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::passthrough::{Config, PassthroughFs};
-use virtio_queue::Queue;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::request::{handle_request, FsServer};
 use super::{validate_tag, FsError, CONFIG_SIZE, NUM_REQUEST_QUEUES, QUEUE_SIZE, TAG_MAX_LEN};
-use crate::virtio::queues::{drain_queue, kick, ActiveQueues};
+use crate::virtio::device_state::DeviceState;
 use crate::virtio::read_config_bytes;
-use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
-use crate::GuestMemory;
+use crate::virtio::{device_type, VirtioDevice, VIRTIO_F_VERSION_1};
 
 /// Number of queues: the high-priority queue plus the request queues.
 const NUM_QUEUES: usize = 1 + NUM_REQUEST_QUEUES as usize;
@@ -40,11 +37,9 @@ pub struct VirtioFs {
     tag: String,
     host_dir: PathBuf,
     config: [u8; CONFIG_SIZE],
-    acked_features: u64,
-    queue_events: Vec<EventFd>,
+    state: DeviceState,
     fs: Arc<PassthroughFs<()>>,
     server: FsServer,
-    active: Option<ActiveQueues>,
     stats: FsStats,
 }
 
@@ -80,10 +75,13 @@ impl VirtioFs {
             })?,
         );
         let server = Server::new(fs.clone());
-        let queue_events = (0..NUM_QUEUES)
-            .map(|_| EventFd::new(EFD_NONBLOCK))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(FsError::EventFd)?;
+        let state = DeviceState::new(
+            "virtio-fs",
+            device_type::FS,
+            1 << VIRTIO_F_VERSION_1,
+            &QUEUE_SIZES,
+        )
+        .map_err(FsError::EventFd)?;
         let mut config = [0u8; CONFIG_SIZE];
         config[..tag.len()].copy_from_slice(tag.as_bytes());
         config[TAG_MAX_LEN..].copy_from_slice(&NUM_REQUEST_QUEUES.to_le_bytes());
@@ -91,11 +89,9 @@ impl VirtioFs {
             tag: tag.to_owned(),
             host_dir: host_dir.to_owned(),
             config,
-            acked_features: 0,
-            queue_events,
+            state,
             fs,
             server,
-            active: None,
             stats: FsStats::default(),
         })
     }
@@ -110,11 +106,6 @@ impl VirtioFs {
         &self.host_dir
     }
 
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.acked_features
-    }
-
     /// What the device has done so far.
     pub fn stats(&self) -> FsStats {
         self.stats
@@ -122,19 +113,8 @@ impl VirtioFs {
 
     /// Serves the available chains of `queue` (at most one queue's worth per call).
     pub fn process_queue(&mut self, queue: usize) {
-        let Some(active) = self.active.as_mut() else {
-            return;
-        };
-        let ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        } = active;
-        let Some(q) = queues.get_mut(queue) else {
-            return;
-        };
         let (server, stats) = (&self.server, &mut self.stats);
-        let more = drain_queue(q, mem, interrupt, "virtio-fs", |chain| {
+        self.state.serve_queue(queue, |mem, chain| {
             let head = chain.head_index();
             let outcome = handle_request(server, mem, chain);
             match &outcome.rejected {
@@ -150,85 +130,31 @@ impl VirtioFs {
             }
             outcome.used_len
         });
-        if more {
-            kick(&self.queue_events, queue, "virtio-fs");
-        }
     }
 
     /// The queue eventfd of `queue` was signalled: consume it and serve the queue.
     pub fn process_queue_event(&mut self, queue: usize) {
-        let Some(evt) = self.queue_events.get(queue) else {
-            return;
-        };
-        if let Err(e) = evt.read() {
-            if e.kind() != std::io::ErrorKind::WouldBlock {
-                log::error!("virtio-fs: reading queue {queue} event: {e}");
-            }
+        if self.state.consume_queue_event(queue) {
+            self.process_queue(queue);
         }
-        self.process_queue(queue);
     }
 }
 
 impl VirtioDevice for VirtioFs {
-    fn device_type(&self) -> u32 {
-        device_type::FS
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &QUEUE_SIZES
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        &self.queue_events
-    }
-
-    fn avail_features(&self) -> u64 {
-        1 << VIRTIO_F_VERSION_1
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.config, offset, data);
     }
 
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        log::debug!(
-            "virtio-fs: ignoring a {}-byte config write at {offset:#x}",
-            data.len()
-        );
-    }
-
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != NUM_QUEUES {
-            return Err(ActivateError::QueueCount {
-                want: NUM_QUEUES,
-                got: queues.len(),
-            });
-        }
-        self.active = Some(ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        });
-        Ok(())
-    }
-
-    fn reset(&mut self) {
-        self.active = None;
-        self.acked_features = 0;
+    fn on_reset(&mut self) {
         // Forget the guest's inodes and open handles; the next INIT starts afresh.
         self.fs.destroy();
-    }
-
-    fn is_activated(&self) -> bool {
-        self.active.is_some()
     }
 }

@@ -10,26 +10,26 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
 
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory as _};
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::tap::Tap;
 use super::{
     features, validate_mac, validate_mtu, NetError, ETH_HLEN, MAX_BUFFER_SIZE, QUEUE_SIZE,
     RX_QUEUE, STATUS_LINK_UP, TX_QUEUE, VNET_HDR_LEN, VNET_HDR_NUM_BUFFERS,
 };
-use crate::virtio::queues::{kick, notify_used, ActiveQueues};
+use crate::virtio::device_state::DeviceState;
+use crate::virtio::queues::notify_used;
 use crate::virtio::read_config_bytes;
-use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
+use crate::virtio::{device_type, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::GuestMemory;
 
 const NUM_QUEUES: usize = 2;
 const QUEUE_SIZES: [u16; NUM_QUEUES] = [QUEUE_SIZE; NUM_QUEUES];
 /// Config space: mac[6], status u16, max_virtqueue_pairs u16, mtu u16 (all little endian).
+/// Read-only: the MAC is read-only for a virtio 1.x driver (changing it needs the control queue).
 const CONFIG_SIZE: usize = 12;
 /// The smallest chain the device accepts either way: a vnet header and an Ethernet header.
 const MIN_CHAIN_LEN: usize = VNET_HDR_LEN + ETH_HLEN;
@@ -130,9 +130,7 @@ pub struct Net<B: NetBackend = Tap> {
     mac: [u8; 6],
     mtu: Option<u16>,
     config: [u8; CONFIG_SIZE],
-    acked_features: u64,
-    queue_events: Vec<EventFd>,
-    active: Option<ActiveQueues>,
+    state: DeviceState,
     rx_state: RxState,
     backend_state: BackendState,
     /// Frame buffers, [`MAX_BUFFER_SIZE`] bytes each.
@@ -156,9 +154,11 @@ impl<B: NetBackend> Net<B> {
         if let Some(m) = mtu {
             validate_mtu(m)?;
         }
-        let queue_events = (0..NUM_QUEUES)
-            .map(|_| EventFd::new(EFD_NONBLOCK))
-            .collect::<Result<Vec<_>, _>>()
+        let mut features = 1 << VIRTIO_F_VERSION_1 | 1 << features::MAC | 1 << features::STATUS;
+        if mtu.is_some() {
+            features |= 1 << features::MTU;
+        }
+        let state = DeviceState::new("virtio-net", device_type::NET, features, &QUEUE_SIZES)
             .map_err(NetError::EventFd)?;
         let mut config = [0u8; CONFIG_SIZE];
         config[0..6].copy_from_slice(&mac);
@@ -170,9 +170,7 @@ impl<B: NetBackend> Net<B> {
             mac,
             mtu,
             config,
-            acked_features: 0,
-            queue_events,
-            active: None,
+            state,
             rx_state: RxState::Reading,
             backend_state: BackendState::Up,
             rx_frame: vec![0u8; MAX_BUFFER_SIZE].into_boxed_slice(),
@@ -192,11 +190,6 @@ impl<B: NetBackend> Net<B> {
     /// The MTU told to the guest, if any.
     pub fn mtu(&self) -> Option<u16> {
         self.mtu
-    }
-
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.acked_features
     }
 
     /// What the device has done so far.
@@ -225,7 +218,7 @@ impl<B: NetBackend> Net<B> {
     /// backend cannot wake the loop over and over).
     pub fn backend_interest(&self) -> EventSet {
         let mut set = EventSet::empty();
-        if self.active.is_none() || self.backend_state == BackendState::Failed {
+        if !self.state.is_activated() || self.backend_state == BackendState::Failed {
             return set;
         }
         if self.rx_state == RxState::Reading {
@@ -237,19 +230,10 @@ impl<B: NetBackend> Net<B> {
         set
     }
 
-    pub(super) fn queue_events_ref(&self) -> &[EventFd] {
-        &self.queue_events
-    }
-
     /// The queue eventfd of `queue` was signalled: consume it and do the queue's work.
     pub fn process_queue_event(&mut self, queue: usize) {
-        let Some(evt) = self.queue_events.get(queue) else {
+        if !self.state.consume_queue_event(queue) {
             return;
-        };
-        if let Err(e) = evt.read() {
-            if e.kind() != io::ErrorKind::WouldBlock {
-                log::error!("virtio-net: reading queue {queue} event: {e}");
-            }
         }
         match queue {
             RX_QUEUE => {
@@ -288,20 +272,12 @@ impl<B: NetBackend> Net<B> {
         if self.backend_state == BackendState::Failed {
             return;
         }
-        let Some(active) = self.active.as_mut() else {
-            return;
-        };
-        let ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        } = active;
-        let Some(rxq) = queues.get_mut(RX_QUEUE) else {
+        let Some((rxq, mem, interrupt)) = self.state.queue_mut(RX_QUEUE) else {
             return;
         };
         let mut used = false;
         for _ in 0..rxq.size() {
-            let Some(chain) = rxq.pop_descriptor_chain(&*mem) else {
+            let Some(chain) = rxq.pop_descriptor_chain(mem) else {
                 // No buffers: stop reading until the driver notifies the queue.
                 self.rx_state = RxState::WaitingForBuffers;
                 self.stats.rx_waits_for_buffers += 1;
@@ -369,15 +345,7 @@ impl<B: NetBackend> Net<B> {
     /// Sends the guest's frames to the backend: first the one the backend refused last time,
     /// then at most one queue's worth of chains (re-signalling the queue for the rest).
     pub fn process_tx(&mut self) {
-        let Some(active) = self.active.as_mut() else {
-            return;
-        };
-        let ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        } = active;
-        let Some(txq) = queues.get_mut(TX_QUEUE) else {
+        let Some((txq, mem, interrupt)) = self.state.queue_mut(TX_QUEUE) else {
             return;
         };
         if let Some(len) = self.tx_pending {
@@ -394,7 +362,7 @@ impl<B: NetBackend> Net<B> {
         let mut used = false;
         let mut more = false;
         for i in 0..=txq.size() {
-            let Some(chain) = txq.pop_descriptor_chain(&*mem) else {
+            let Some(chain) = txq.pop_descriptor_chain(mem) else {
                 break;
             };
             if i == txq.size() {
@@ -434,7 +402,7 @@ impl<B: NetBackend> Net<B> {
             notify_used(txq, mem, interrupt, "virtio-net");
         }
         if more {
-            kick(&self.queue_events, TX_QUEUE, "virtio-net");
+            self.state.kick(TX_QUEUE);
         }
     }
 }
@@ -604,76 +572,29 @@ fn write_frame(
 }
 
 impl<B: NetBackend> VirtioDevice for Net<B> {
-    fn device_type(&self) -> u32 {
-        device_type::NET
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &QUEUE_SIZES
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        &self.queue_events
-    }
-
-    fn avail_features(&self) -> u64 {
-        let mut f = 1 << VIRTIO_F_VERSION_1 | 1 << features::MAC | 1 << features::STATUS;
-        if self.mtu.is_some() {
-            f |= 1 << features::MTU;
-        }
-        f
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.config, offset, data);
     }
 
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        // The MAC is read-only for a virtio 1.x driver (changing it needs the control queue).
-        log::debug!(
-            "virtio-net: ignoring a {}-byte config write at {offset:#x}",
-            data.len()
-        );
-    }
-
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != NUM_QUEUES {
-            return Err(ActivateError::QueueCount {
-                want: NUM_QUEUES,
-                got: queues.len(),
-            });
-        }
-        self.active = Some(ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        });
+    fn on_activate(&mut self) {
         self.rx_state = RxState::Reading;
         self.tx_pending = None;
         // Wake the event loop: it starts watching the backend and fills the posted buffers.
-        kick(&self.queue_events, RX_QUEUE, "virtio-net");
-        Ok(())
+        self.state.kick(RX_QUEUE);
     }
 
-    fn reset(&mut self) {
-        self.active = None;
-        self.acked_features = 0;
+    fn on_reset(&mut self) {
         self.tx_pending = None;
         self.rx_state = RxState::Reading;
         // The event loop drops its interest in the backend the next time it looks.
-        kick(&self.queue_events, RX_QUEUE, "virtio-net");
-    }
-
-    fn is_activated(&self) -> bool {
-        self.active.is_some()
+        self.state.kick(RX_QUEUE);
     }
 }

@@ -4,10 +4,9 @@
 //! [`Net::backend_interest`] asks, re-evaluated after every event the device handles.
 
 use event_manager::{EventOps, Events, MutEventSubscriber};
-use vmm_sys_util::epoll::EventSet;
 
 use super::device::{Net, NetBackend};
-use super::{RX_QUEUE, TX_QUEUE};
+use crate::virtio::VirtioDevice;
 
 /// Event data of the backend fd; queue eventfds use their queue index.
 const BACKEND: u32 = 100;
@@ -42,13 +41,7 @@ impl<B: NetBackend> MutEventSubscriber for Net<B> {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        for q in [RX_QUEUE, TX_QUEUE] {
-            if let Some(evt) = self.queue_events_ref().get(q) {
-                if let Err(e) = ops.add(Events::with_data(evt, q as u32, EventSet::IN)) {
-                    log::error!("virtio-net: registering queue {q}: {e:?}");
-                }
-            }
-        }
+        self.state().register_queue_events(ops);
         self.sync_backend_interest(ops);
     }
 }

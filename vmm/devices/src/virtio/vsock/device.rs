@@ -6,27 +6,23 @@
 //! hold the event loop.
 
 use std::path::Path;
-use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use virtio_queue::{QueueOwnedT, QueueT};
 
 use super::muxer::VsockMuxer;
 use super::packet::{read_tx_packet, RxBuffer};
 use super::{VsockError, MAX_CONNECTIONS, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
-use crate::virtio::queues::{drain_queue, kick, notify_used, ActiveQueues};
+use crate::virtio::device_state::DeviceState;
+use crate::virtio::queues::notify_used;
 use crate::virtio::read_config_bytes;
-use crate::virtio::{device_type, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1};
-use crate::GuestMemory;
+use crate::virtio::{device_type, VirtioDevice, VIRTIO_F_VERSION_1};
 
 const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
 
 /// The virtio-vsock device with its hybrid-vsock backend.
 pub struct Vsock {
     guest_cid: u64,
-    acked_features: u64,
-    queue_events: Vec<EventFd>,
-    active: Option<ActiveQueues>,
+    state: DeviceState,
     pub(super) muxer: VsockMuxer,
 }
 
@@ -46,16 +42,17 @@ impl Vsock {
         if guest_cid <= 2 || guest_cid >= u64::from(u32::MAX) {
             return Err(VsockError::InvalidCid(guest_cid));
         }
-        let queue_events = (0..QUEUE_SIZES.len())
-            .map(|_| EventFd::new(EFD_NONBLOCK))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| VsockError::Sys("queue eventfd", e))?;
+        let state = DeviceState::new(
+            "vsock",
+            device_type::VSOCK,
+            1 << VIRTIO_F_VERSION_1,
+            &QUEUE_SIZES,
+        )
+        .map_err(|e| VsockError::Sys("queue eventfd", e))?;
         let muxer = VsockMuxer::new(guest_cid, uds_path, max_connections)?;
         Ok(Self {
             guest_cid,
-            acked_features: 0,
-            queue_events,
-            active: None,
+            state,
             muxer,
         })
     }
@@ -70,11 +67,6 @@ impl Vsock {
         self.muxer.uds_path()
     }
 
-    /// The features the driver accepted.
-    pub fn acked_features(&self) -> u64 {
-        self.acked_features
-    }
-
     /// Open connections (including handshakes in progress).
     pub fn connection_count(&self) -> usize {
         self.muxer.connection_count()
@@ -86,48 +78,25 @@ impl Vsock {
         self.muxer.as_raw_fd()
     }
 
-    pub(super) fn queue_events_ref(&self) -> &[EventFd] {
-        &self.queue_events
-    }
-
     /// Handles guest packets on the TX queue, then sends any replies.
     pub fn process_tx(&mut self) {
-        let Some(active) = self.active.as_mut() else {
+        if !self.state.is_activated() {
             return;
-        };
-        let ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        } = active;
-        let Some(txq) = queues.get_mut(TX_QUEUE) else {
-            return;
-        };
+        }
         let muxer = &mut self.muxer;
-        let more = drain_queue(txq, mem, interrupt, "vsock", |chain| {
+        self.state.serve_queue(TX_QUEUE, |mem, chain| {
             match read_tx_packet(mem, chain) {
                 Ok(pkt) => muxer.send_pkt(pkt),
                 Err(e) => log::debug!("vsock: bad TX packet: {e}"),
             }
             0
         });
-        if more {
-            kick(&self.queue_events, TX_QUEUE, "vsock");
-        }
         self.process_rx();
     }
 
     /// Fills the guest's RX buffers with pending packets.
     pub fn process_rx(&mut self) {
-        let Some(active) = self.active.as_mut() else {
-            return;
-        };
-        let ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        } = active;
-        let Some(rxq) = queues.get_mut(RX_QUEUE) else {
+        let Some((rxq, mem, interrupt)) = self.state.queue_mut(RX_QUEUE) else {
             return;
         };
         let mut used = false;
@@ -140,7 +109,7 @@ impl Vsock {
                 more = true;
                 break;
             }
-            let Some(chain) = rxq.pop_descriptor_chain(&*mem) else {
+            let Some(chain) = rxq.pop_descriptor_chain(mem) else {
                 break;
             };
             let head = chain.head_index();
@@ -149,7 +118,7 @@ impl Vsock {
                 Err(e) => {
                     // Unusable buffer: give it back empty.
                     log::debug!("vsock: bad RX buffer: {e}");
-                    if let Err(e) = rxq.add_used(&*mem, head, 0) {
+                    if let Err(e) = rxq.add_used(mem, head, 0) {
                         log::error!("vsock: RX used ring: {e}");
                     }
                     used = true;
@@ -167,7 +136,7 @@ impl Vsock {
                     0
                 }
             };
-            if let Err(e) = rxq.add_used(&*mem, head, len) {
+            if let Err(e) = rxq.add_used(mem, head, len) {
                 log::error!("vsock: RX used ring: {e}");
             }
             used = true;
@@ -176,7 +145,7 @@ impl Vsock {
             notify_used(rxq, mem, interrupt, "vsock");
         }
         if more {
-            kick(&self.queue_events, RX_QUEUE, "vsock");
+            self.state.kick(RX_QUEUE);
         }
     }
 
@@ -188,13 +157,8 @@ impl Vsock {
 
     /// The queue eventfd of `queue` was signalled: consume it and do the queue's work.
     pub fn process_queue_event(&mut self, queue: usize) {
-        let Some(evt) = self.queue_events.get(queue) else {
+        if !self.state.consume_queue_event(queue) {
             return;
-        };
-        if let Err(e) = evt.read() {
-            if e.kind() != std::io::ErrorKind::WouldBlock {
-                log::error!("vsock: reading queue {queue} event: {e}");
-            }
         }
         match queue {
             RX_QUEUE => self.process_rx(),
@@ -206,66 +170,24 @@ impl Vsock {
 }
 
 impl VirtioDevice for Vsock {
-    fn device_type(&self) -> u32 {
-        device_type::VSOCK
+    fn state(&self) -> &DeviceState {
+        &self.state
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &QUEUE_SIZES
-    }
-
-    fn queue_events(&self) -> &[EventFd] {
-        &self.queue_events
-    }
-
-    fn avail_features(&self) -> u64 {
-        1 << VIRTIO_F_VERSION_1
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
+    fn state_mut(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        log::debug!(
-            "vsock: ignoring a {}-byte config write at {offset:#x}",
-            data.len()
-        );
-    }
-
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<IrqTrigger>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != QUEUE_SIZES.len() {
-            return Err(ActivateError::QueueCount {
-                want: QUEUE_SIZES.len(),
-                got: queues.len(),
-            });
-        }
-        self.active = Some(ActiveQueues {
-            mem,
-            queues,
-            interrupt,
-        });
+    fn on_activate(&mut self) {
         // Packets may be waiting from before the driver was up (host connections).
-        kick(&self.queue_events, RX_QUEUE, "vsock");
-        Ok(())
+        self.state.kick(RX_QUEUE);
     }
 
-    fn reset(&mut self) {
-        self.active = None;
-        self.acked_features = 0;
+    fn on_reset(&mut self) {
         self.muxer.reset();
-    }
-
-    fn is_activated(&self) -> bool {
-        self.active.is_some()
     }
 }

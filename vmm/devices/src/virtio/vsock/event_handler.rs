@@ -4,7 +4,7 @@ use event_manager::{EventOps, Events, MutEventSubscriber};
 use vmm_sys_util::epoll::EventSet;
 
 use super::device::Vsock;
-use super::{EVENT_QUEUE, RX_QUEUE, TX_QUEUE};
+use crate::virtio::VirtioDevice;
 
 /// Event data of the backend (muxer) fd; queue eventfds use their queue index.
 const BACKEND: u32 = 100;
@@ -18,13 +18,7 @@ impl MutEventSubscriber for Vsock {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        for q in [RX_QUEUE, TX_QUEUE, EVENT_QUEUE] {
-            if let Some(evt) = self.queue_events_ref().get(q) {
-                if let Err(e) = ops.add(Events::with_data(evt, q as u32, EventSet::IN)) {
-                    log::error!("vsock: registering queue {q}: {e:?}");
-                }
-            }
-        }
+        self.state().register_queue_events(ops);
         let fd = self.backend_fd();
         if let Err(e) = ops.add(Events::with_data_raw(fd, BACKEND, EventSet::IN)) {
             log::error!("vsock: registering the backend: {e:?}");
