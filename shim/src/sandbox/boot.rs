@@ -86,7 +86,7 @@ impl Sandbox {
         state
             .create(std::process::id())
             .map_err(SandboxError::State)?;
-        if let Some(socket) = crate::task::serve::own_socket() {
+        if let Some(socket) = super::reclaim::own_socket() {
             if let Err(e) = state.record_socket(socket) {
                 let _ = state.cleanup();
                 return Err(SandboxError::State(e));

@@ -15,8 +15,10 @@
 //!   ran at all (containerd down when the shim died, or killed itself).
 
 use std::io::Read;
+use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::state::{StateDir, StateError};
@@ -122,7 +124,7 @@ pub async fn reclaim(state: &StateDir, address: Option<&str>) -> Result<Reclaime
         }
     };
     if let Some(a) = address {
-        remove_dead_socket(a).await;
+        remove_dead_socket(a, Duration::ZERO).await;
     }
     Ok(outcome)
 }
@@ -246,20 +248,50 @@ pub async fn run_action(pod_id: &str, address: &str) -> i32 {
     code
 }
 
-/// Removes the socket at `address` if nobody serves it.
-async fn remove_dead_socket(address: &str) {
+/// The daemon's own socket address, once it serves (set by [`crate::task::serve`]).
+static OWN_SOCKET: OnceLock<String> = OnceLock::new();
+
+/// Records the socket this process serves on, for the state directory ([`own_socket`]).
+pub fn set_own_socket(address: &str) {
+    let _ = OWN_SOCKET.set(address.to_string());
+}
+
+/// The socket this process serves on, when it is a shim daemon that serves.
+pub fn own_socket() -> Option<&'static str> {
+    OWN_SOCKET.get().map(String::as_str)
+}
+
+/// Waits up to `wait` for the socket at `address` to stop serving (a shim shutting down still
+/// serves for a moment), then removes it if nobody serves it and it is a socket.
+pub async fn remove_dead_socket(address: &str, wait: Duration) {
+    let deadline = Instant::now() + wait;
+    while socket_serves(address).await && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     if !socket_serves(address).await {
-        let _ = std::fs::remove_file(socket_path(address));
+        remove_socket(address);
     }
 }
 
-async fn socket_serves(address: &str) -> bool {
+/// Removes the socket at `address` if it is one.
+pub fn remove_socket(address: &str) {
+    let path = socket_path(address);
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+        if let Err(e) = std::fs::remove_file(path) {
+            log::warn!("removing the shim socket {path}: {e}");
+        }
+    }
+}
+
+/// Whether something accepts on the socket at `address` now.
+pub async fn socket_serves(address: &str) -> bool {
     tokio::net::UnixStream::connect(socket_path(address))
         .await
         .is_ok()
 }
 
-fn socket_path(address: &str) -> &str {
+/// A socket address's path (`unix://` stripped).
+pub fn socket_path(address: &str) -> &str {
     address.strip_prefix("unix://").unwrap_or(address)
 }
 

@@ -12,9 +12,8 @@
 //! `start` waits for), and the socket removed on exit. The `start` and `delete` actions are
 //! [`MicrovmShim`]'s.
 
-use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use containerd_shim::asynchronous::publisher::RemotePublisher;
@@ -28,18 +27,10 @@ use containerd_shim_protos::ttrpc::r#async::Server;
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::sandbox::reclaim::{self, Reclaimed, RECLAIM_ACTION};
+use crate::sandbox::reclaim::{self, remove_socket, socket_path, Reclaimed, RECLAIM_ACTION};
 use crate::state::state_root;
 use crate::task::sandbox_service::SandboxService;
 use crate::task::shim::{shim_config, MicrovmShim, RUNTIME_ID};
-
-/// The daemon's own socket address, once it serves.
-static OWN_SOCKET: OnceLock<String> = OnceLock::new();
-
-/// The socket this process serves on, when it is a shim daemon that serves.
-pub fn own_socket() -> Option<&'static str> {
-    OWN_SOCKET.get().map(String::as_str)
-}
 
 /// The environment variable containerd gives its ttrpc address (events) in.
 const TTRPC_ADDRESS_ENV: &str = "TTRPC_ADDRESS";
@@ -143,7 +134,7 @@ async fn daemon(
         .register_service(create_task(Arc::new(task)))
         .register_service(create_sandbox(Arc::new(sandbox)));
     server.start().await?;
-    let _ = OWN_SOCKET.set(flags.socket.clone());
+    reclaim::set_own_socket(&flags.socket);
     signal_server_started();
     // Pods whose shims died with nobody to reclaim them (sandbox/reclaim.rs), in the background.
     let own_id = flags.id.clone();
@@ -218,21 +209,6 @@ async fn serves(path: &str) -> bool {
             return false;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// A socket address's path (`unix://` stripped).
-fn socket_path(address: &str) -> &str {
-    address.strip_prefix("unix://").unwrap_or(address)
-}
-
-/// Removes the socket at `address` if it is one.
-fn remove_socket(address: &str) {
-    let path = socket_path(address);
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
-        if let Err(e) = std::fs::remove_file(path) {
-            log::warn!("removing the shim socket {path}: {e}");
-        }
     }
 }
 

@@ -82,7 +82,7 @@ impl Shim for MicrovmShim {
             opts.id.clone()
         };
         let address = containerd_shim::socket_address(&opts.address, &opts.namespace, &pod_id);
-        if !socket_serves(&address).await {
+        if !reclaim::socket_serves(&address).await {
             spawn_daemon(&opts, &address, config_path.as_deref()).await?;
         }
         // containerd reads the address back from the bundle when it restarts.
@@ -106,21 +106,14 @@ impl Shim for MicrovmShim {
         let address = address.trim();
         // A healthy shim (it serves and runs) is left alone at once: containerd also runs this
         // when one container's connection to a live pod shim closes.
-        if !address.is_empty() && socket_serves(address).await && state.shim_alive() {
+        if !address.is_empty() && reclaim::socket_serves(address).await && state.shim_alive() {
             return Ok(exit_response());
         }
         if !state.path().exists() {
             // The pod was torn down (or reclaimed) already. A shim that is shutting down still
             // serves for a moment and removes its socket itself; one that died leaves it.
             if !address.is_empty() {
-                let deadline = std::time::Instant::now() + reclaim::DELETE_WAIT;
-                while socket_serves(address).await && std::time::Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                if !socket_serves(address).await {
-                    let _ =
-                        std::fs::remove_file(address.strip_prefix("unix://").unwrap_or(address));
-                }
+                reclaim::remove_dead_socket(address, reclaim::DELETE_WAIT).await;
             }
             return Ok(exit_response());
         }
@@ -192,14 +185,6 @@ pub fn timestamp(t: SystemTime) -> Timestamp {
         nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
         ..Default::default()
     }
-}
-
-async fn socket_serves(address: &str) -> bool {
-    let path = address
-        .strip_prefix("unix://")
-        .unwrap_or(address)
-        .to_string();
-    tokio::net::UnixStream::connect(path).await.is_ok()
 }
 
 /// Spawns the daemon (this binary without an action, with `-socket`) and waits until it serves:
