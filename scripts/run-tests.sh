@@ -141,17 +141,21 @@ else
 fi
 
 echo "== leftovers"
-left=$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|microvm-agent|containerd-shim|containerd --config /tmp/microvm-ctrd' || true)
-if [ -n "$left" ]; then
-  echo "processes left behind by the tests:" >&2
-  echo "$left" >&2
-  status_all=1
-else
-  echo "no VM processes left behind"
-fi
+# report_left WHAT NONE LIST: LIST (one item a line) is what the tests left of WHAT; empty: NONE.
+report_left() {
+  if [ -n "$3" ]; then
+    echo "$1 left behind by the tests:" >&2
+    echo "$3" >&2
+    status_all=1
+  else
+    echo "$2"
+  fi
+}
+report_left "processes" "no VM processes left behind" \
+  "$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|microvm-agent|containerd-shim|containerd --config /tmp/microvm-ctrd' || true)"
 # What a pod holds on the host beyond its processes: its state directory (/run/microvm/<pod>),
 # mounts under it, and its shim's socket (one nobody listens on any more).
-left=$(
+report_left "pod state" "no pod state directories, mounts or shim sockets left behind" "$(
   ls -A /run/microvm 2>/dev/null | sed 's|^|state directory /run/microvm/|'
   awk '$5 ~ "^/run/microvm/" { print "mount " $5 }' /proc/self/mountinfo
   listening=$(ss -xlH 2>/dev/null | awk '{ print $5 }')
@@ -159,14 +163,7 @@ left=$(
     [ -S "$s" ] || continue
     grep -qxF "$s" <<<"$listening" || echo "stale shim socket $s"
   done
-)
-if [ -n "$left" ]; then
-  echo "pod state left behind by the tests:" >&2
-  echo "$left" >&2
-  status_all=1
-else
-  echo "no pod state directories, mounts or shim sockets left behind"
-fi
+)"
 
 # One closing line over every cargo test binary. Every ignored test counts as skipped, never as
 # passed: kvm_linux_guest's are ignored in the plain run and counted where they ran on the

@@ -189,6 +189,23 @@ pub fn shim_pids(ctrd: &PrivateContainerd, pod_id: &str) -> Vec<i32> {
 /// Waits (bounded) until nothing of pod `id` remains: processes, state directory, mounts,
 /// shim socket.
 pub fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
+    wait_until_gone(ctrd, id, timeout, OtherPods::Gone);
+}
+
+/// [`assert_pod_gone`] while other pods of the instance still run: their processes and
+/// cgroups are not counted, only pod `id`'s own (its VM processes, its cgroup).
+pub fn assert_pod_gone_while_others_run(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
+    wait_until_gone(ctrd, id, timeout, OtherPods::Running);
+}
+
+/// Whether the instance's other pods are gone too, or still run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OtherPods {
+    Gone,
+    Running,
+}
+
+fn wait_until_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration, others: OtherPods) {
     let state = Path::new(STATE_ROOT).join(id);
     let socket = ctrd.shim_socket(id);
     let deadline = Instant::now() + timeout;
@@ -197,8 +214,10 @@ pub fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
         for (pid, cmd) in processes_mentioning(&state.display().to_string()) {
             left.push(format!("VM process {pid}: {cmd}"));
         }
-        for p in ctrd.leftover_processes() {
-            left.push(format!("process {p:?}"));
+        if others == OtherPods::Gone {
+            for p in ctrd.leftover_processes() {
+                left.push(format!("process {p:?}"));
+            }
         }
         if state.exists() {
             left.push(format!("state directory {}", state.display()));
@@ -210,7 +229,9 @@ pub fn assert_pod_gone(ctrd: &PrivateContainerd, id: &str, timeout: Duration) {
             left.push(format!("shim socket {}", socket.display()));
         }
         for c in ctrd.leftover_cgroups() {
-            left.push(format!("cgroup {}", c.display()));
+            if others == OtherPods::Gone || c.to_string_lossy().contains(id) {
+                left.push(format!("cgroup {}", c.display()));
+            }
         }
         if left.is_empty() {
             return;

@@ -165,36 +165,7 @@ async fn after_kill_9_a_delete_cut_short_by_containerd_still_leaves_nothing() {
     // The next pod's shim sweeps what no reclaim got to.
     let next = run_pod(&ctrd, &cri, "microvm-kill9-next").await;
     // Nothing of the first pod (the next one runs: its processes and cgroup stay).
-    let state = Path::new(STATE_ROOT).join(&pod.id);
-    let socket = ctrd.shim_socket(&pod.id);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let mut left: Vec<String> = processes_mentioning(&state.display().to_string())
-            .into_iter()
-            .map(|(pid, cmd)| format!("VM process {pid}: {cmd}"))
-            .collect();
-        if state.exists() {
-            left.push(format!("state directory {}", state.display()));
-        }
-        if socket.exists() {
-            left.push(format!("shim socket {}", socket.display()));
-        }
-        for c in ctrd.leftover_cgroups() {
-            if c.to_string_lossy().contains(&pod.id) {
-                left.push(format!("cgroup {}", c.display()));
-            }
-        }
-        if left.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "left of the killed pod:\n{}\ncontainerd log:\n{}",
-            left.join("\n"),
-            ctrd.log_tail()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert_pod_gone_while_others_run(&ctrd, &pod.id, Duration::from_secs(30));
     let log = std::fs::read_to_string(ctrd.dir().join("containerd.log")).unwrap_or_default();
     eprintln!(
         "reclaimed by: {}",
