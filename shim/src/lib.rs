@@ -6,13 +6,16 @@
 //! failure to one ttrpc status; [`config`] is the typed config.
 //!
 //! Also here: [`host_check`] (what this host can run), [`artifacts`] (where the built guest
-//! kernel, initrd and test guests are found: the `microvm` tool's defaults and the tests').
+//! kernel, initrd and test guests are found: the `microvm` tool's defaults and the tests'), and
+//! [`host_fs`] (file and mount operations that never follow a symlink, under [`resources`] and
+//! [`state`]).
 
 pub mod agent;
 pub mod artifacts;
 pub mod config;
 pub mod error;
 pub mod host_check;
+pub mod host_fs;
 pub mod install;
 pub mod resources;
 pub mod sandbox;

@@ -2,13 +2,20 @@
 //!
 //! It holds what a cleanup needs when the shim is gone (`kill -9`): the shim's pid, the pids of
 //! the VM's host processes (each with its start time, so a recycled pid is never killed), the
-//! mounts the shim made, and the VM's work folder (sockets, console log) and shared folder.
-//! `containerd-shim-microvm-v1 delete` runs [`StateDir::cleanup`] from these files alone.
+//! VM's work folder (sockets, console log) and the pod's shared folder
+//! ([`crate::resources::storage`]). `containerd-shim-microvm-v1 delete` runs
+//! [`StateDir::cleanup`] from these files alone. The mounts to undo are whatever the kernel's
+//! mount table shows under the directory; each is reached from the directory's descriptor
+//! without following a symlink ([`crate::host_fs`]), so nothing a guest planted in its share
+//! can turn an unmount or a removal towards the rest of the host.
 
 use std::fs;
 use std::io::{self, Write};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use crate::host_fs;
 
 /// Environment variable that moves the state root (tests use it).
 pub const STATE_ROOT_ENV: &str = "MICROVM_STATE_ROOT";
@@ -17,10 +24,12 @@ pub const DEFAULT_STATE_ROOT: &str = "/run/microvm";
 
 const SHIM_PID_FILE: &str = "shim.pid";
 const VM_PIDS_FILE: &str = "vm.pids";
-const MOUNTS_FILE: &str = "mounts";
 const SOCKET_FILE: &str = "socket";
 /// How long a cleanup waits for a killed process to go.
 const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How many passes over the mount table a cleanup makes (a pass detaches what it finds; the
+/// pod's share goes with every mount under it in one).
+const UNMOUNT_PASSES: usize = 4;
 
 /// Why an undo record (the host resources' `network.json`, `cgroup.json`, `devices.json`) could
 /// not be read, written or removed; names the file.
@@ -266,17 +275,6 @@ impl StateDir {
         fs::write(&file, text).map_err(io_err(&file))
     }
 
-    /// Appends a mount point the shim made (before mounting, so a crash in between is covered).
-    pub fn record_mount(&self, target: &Path) -> Result<(), StateError> {
-        let file = self.path.join(MOUNTS_FILE);
-        let mut f = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&file)
-            .map_err(io_err(&file))?;
-        writeln!(f, "{}", target.display()).map_err(io_err(&file))
-    }
-
     /// Whether the shim recorded in the directory still runs.
     pub fn shim_alive(&self) -> bool {
         read_records(&self.path.join(SHIM_PID_FILE))
@@ -295,28 +293,16 @@ impl StateDir {
             .collect()
     }
 
-    /// Kills the recorded VM processes that still run, unmounts what is mounted under the
-    /// directory (recorded mounts first, deepest first), and removes the directory. Safe to run
-    /// twice and on a directory that does not exist.
+    /// Kills the recorded VM processes that still run, detaches what is mounted under the
+    /// directory, and removes the directory. Safe to run twice and on a directory that does not
+    /// exist. The directory is removed only once nothing is mounted under it.
     pub fn cleanup(&self) -> Result<CleanupReport, StateError> {
         let mut report = CleanupReport::default();
         if !self.path.exists() {
             return Ok(report);
         }
         report.killed = self.kill_vm_processes();
-        let mut targets: Vec<PathBuf> = fs::read_to_string(self.path.join(MOUNTS_FILE))
-            .unwrap_or_default()
-            .lines()
-            .map(PathBuf::from)
-            .collect();
-        targets.extend(mounts_under(&self.path));
-        targets.sort_by_key(|t| std::cmp::Reverse(t.as_os_str().len()));
-        targets.dedup();
-        for t in targets {
-            if unmount(&t) {
-                report.unmounted.push(t);
-            }
-        }
+        report.unmounted = self.unmount_all()?;
         let remaining = mounts_under(&self.path);
         if let Some(m) = remaining.first() {
             return Err(StateError::Io {
@@ -324,9 +310,49 @@ impl StateDir {
                 source: io::Error::other("still mounted after cleanup"),
             });
         }
+        // std's remove_dir_all never follows a symlink, and nothing is mounted under it now.
         fs::remove_dir_all(&self.path).map_err(io_err(&self.path))?;
         report.removed = true;
         Ok(report)
+    }
+
+    /// Detaches every mount the kernel's mount table shows under the directory, shallowest
+    /// first (the pod's share takes every container's mounts with it), each reached from the
+    /// directory's descriptor without symlinks and checked to be a mount's root. Returns the
+    /// mount points detached.
+    fn unmount_all(&self) -> Result<Vec<PathBuf>, StateError> {
+        let dir = match host_fs::open_root_dir(&self.path) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_err(&self.path)(e)),
+        };
+        let mut unmounted = Vec::new();
+        for _ in 0..UNMOUNT_PASSES {
+            let mut mounts = mounts_under(&self.path);
+            mounts.sort_by_key(|m| m.as_os_str().len());
+            mounts.dedup();
+            let mut detached = false;
+            for m in mounts {
+                let Ok(rel) = m.strip_prefix(&self.path) else {
+                    continue;
+                };
+                if rel.as_os_str().is_empty() {
+                    continue;
+                }
+                match host_fs::unmount_beneath(dir.as_fd(), rel) {
+                    Ok(0) => {}
+                    Ok(_) => {
+                        unmounted.push(m);
+                        detached = true;
+                    }
+                    Err(e) => log::warn!("unmounting {}: {e}", m.display()),
+                }
+            }
+            if !detached {
+                break;
+            }
+        }
+        Ok(unmounted)
     }
 }
 
@@ -412,16 +438,6 @@ fn unescape_mountinfo(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// Detaches the mount at `target`; whether something was unmounted.
-fn unmount(target: &Path) -> bool {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_bytes()) else {
-        return false;
-    };
-    // SAFETY: umount2 with a valid NUL-terminated path; it does not retain the pointer.
-    unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) == 0 }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -482,6 +498,23 @@ mod tests {
         assert!(waiter.join().unwrap(), "the waiter sees the directory gone");
     }
 
+    fn mount_tmpfs(at: &Path) {
+        fs::create_dir_all(at).unwrap();
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "tmpfs"])
+            .arg(at)
+            .status()
+            .unwrap();
+        assert!(
+            status.success(),
+            "mounting a tmpfs needs root (make test runs as root)"
+        );
+    }
+
+    fn is_mounted(at: &Path) -> bool {
+        mounts_under(at).iter().any(|m| m == at)
+    }
+
     #[test]
     fn cleanup_kills_recorded_processes_unmounts_and_removes() {
         let root = tempfile::tempdir().unwrap();
@@ -490,32 +523,62 @@ mod tests {
         assert!(dir.shim_alive());
         let mut child = Command::new("sleep").arg("60").spawn().unwrap();
         dir.record_vm_processes(&[child.id()]).unwrap();
-        // A tmpfs mount under the directory, recorded, and one not recorded.
+        // Mounts under the directory: one with a mount under it, and another.
         let m1 = dir.shared_dir().join("c1");
         let m2 = dir.path().join("other");
-        for m in [&m1, &m2] {
-            fs::create_dir_all(m).unwrap();
-        }
-        dir.record_mount(&m1).unwrap();
-        let mounted = [&m1, &m2].iter().all(|m| {
-            Command::new("mount")
-                .args(["-t", "tmpfs", "tmpfs"])
-                .arg(m)
-                .status()
-                .map(|s| s.success())
-                .unwrap_or(false)
-        });
+        mount_tmpfs(&m1);
+        mount_tmpfs(&m1.join("nested"));
+        mount_tmpfs(&m2);
         let report = dir.cleanup().unwrap();
         assert_eq!(report.killed, vec![child.id()]);
         let status = child.wait().unwrap();
         assert!(!status.success());
-        if mounted {
-            assert_eq!(report.unmounted.len(), 2, "{report:?}");
-        }
+        // The nested mount went with its parent.
+        assert_eq!(report.unmounted, vec![m2, m1], "{report:?}");
         assert!(report.removed);
         assert!(!dir.path().exists());
         // Twice is harmless.
         assert_eq!(dir.cleanup().unwrap(), CleanupReport::default());
+    }
+
+    #[test]
+    fn a_symlink_planted_in_the_share_never_turns_the_cleanup_outside() {
+        // A share as an older shim left it (writable by the guest), with the guest's plant:
+        // `shared/c1/mounts` replaced by a symlink to a host directory that has a mount and a
+        // file, and the path through it recorded as the shim's own mount point (the old
+        // `mounts` record). The cleanup must neither unmount nor delete anything outside.
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let host_mount = outside.path().join("m");
+        mount_tmpfs(&host_mount);
+        fs::write(outside.path().join("keep"), "host file").unwrap();
+        let dir = StateDir::new(root.path(), "pod3").unwrap();
+        dir.create(std::process::id()).unwrap();
+        fs::create_dir_all(dir.shared_dir().join("c1")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.shared_dir().join("c1/mounts")).unwrap();
+        fs::write(
+            dir.path().join("mounts"),
+            format!("{}\n", dir.shared_dir().join("c1/mounts/m").display()),
+        )
+        .unwrap();
+        let report = dir.cleanup().unwrap();
+        assert!(report.unmounted.is_empty(), "{report:?}");
+        assert!(report.removed);
+        assert!(
+            is_mounted(&host_mount),
+            "the host's mount outside the pod stays"
+        );
+        assert!(outside.path().join("keep").exists());
+        assert_eq!(
+            crate::host_fs::unmount_beneath(
+                crate::host_fs::open_root_dir(outside.path())
+                    .unwrap()
+                    .as_fd(),
+                Path::new("m")
+            )
+            .unwrap(),
+            1
+        );
     }
 
     #[test]

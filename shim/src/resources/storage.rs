@@ -1,17 +1,49 @@
-//! Host side of an app container's files in the pod's shared directory: its rootfs (the mounts
-//! containerd passes in CreateTaskRequest.rootfs, usually one overlay) at `shared/<cid>/rootfs`,
-//! and the spec's bind-mount sources at `shared/<cid>/mounts/<n>` ([`crate::sandbox::spec`]).
-//! Every mount point is recorded in the pod's state directory before it is mounted, so a cleanup
-//! after a crash finds it; [`unshare_container`] undoes one container.
+//! Host side of the pod's shared directory (docs/security.md, docs/virtio-fs.md): what the guest
+//! sees at [`GUEST_SHARED_DIR`](crate::sandbox::spec::GUEST_SHARED_DIR), and how the shim puts
+//! each app container's files there without ever letting the guest steer it.
+//!
+//! **The skeleton.** At boot ([`PodShare::create`]) the pod gets a small tmpfs of its own
+//! ([`SKELETON_SIZE`], [`SKELETON_INODES`]) at `<state>/shared`, the directory the VM's virtio-fs
+//! device exports. That mount is **read-only**: the guest, even as root with its own kernel,
+//! cannot create, rename, replace or fill anything in it. The shim keeps a second, writable
+//! mount of the same tmpfs that exists only as a file descriptor of its own process (a detached
+//! clone: in no mount namespace, so nobody else can reach it), and creates the directories and
+//! files of the skeleton through it: `<cid>/rootfs` and `<cid>/mounts/<n>`.
+//!
+//! **Container files.** A container's rootfs (the mounts containerd passes in
+//! CreateTaskRequest.rootfs, usually one overlay) is mounted at `<cid>/rootfs`, each of the spec's
+//! bind sources (volumes, /etc/hosts, resolv.conf, termination log, /dev/shm) at
+//! `<cid>/mounts/<n>` ([`crate::sandbox::spec`]). These mounts carry their own flags, so the
+//! guest writes inside them (its rootfs and read-write volumes) but never in the directories
+//! that hold them. All of them are `nosuid,nodev` on the host; a read-only volume is read-only
+//! with every mount under it (`mount_setattr(AT_RECURSIVE)`).
+//!
+//! **No path is resolved twice.** Every create, mount and unmount goes through [`host_fs`]:
+//! `openat2` beneath the skeleton's descriptors without symlinks, `O_EXCL` creation, binds cloned
+//! with `open_tree` and attached with `move_mount` to a descriptor, unmounts through a
+//! descriptor checked to be a mount's root. Teardown of the whole pod is one `MNT_DETACH` of
+//! `<state>/shared` ([`crate::state::StateDir::cleanup`]), which takes every container's mounts
+//! with it.
 
-use std::ffi::CString;
-use std::fs;
+use std::ffi::OsString;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Component, Path, PathBuf};
 
+use rustix::fs::{fstat, FileType, OFlags};
+use rustix::mount::MountAttrFlags;
+
+use crate::host_fs::{self, Propagation};
 use crate::sandbox::spec::ShareBind;
-use crate::state::{mounts_under, StateDir};
+use crate::state::StateDir;
+
+/// The skeleton tmpfs's size. It holds only empty directories and files (mount points), which
+/// take no data pages; the bound is there so that nothing, the shim included, can grow it.
+pub const SKELETON_SIZE: &str = "1m";
+/// The skeleton tmpfs's inode bound: each container takes 3 plus one per bind mount.
+pub const SKELETON_INODES: &str = "16384";
+/// The state directory's entry the skeleton is mounted on.
+const SHARED: &str = "shared";
 
 /// One rootfs mount as containerd passes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,182 +53,352 @@ pub struct RootfsMount {
     pub options: Vec<String>,
 }
 
-/// Errors of sharing a container's files; each names the path.
+/// Errors of the pod's share; each names what it was doing and where.
 #[derive(Debug, thiserror::Error)]
 pub enum ShareError {
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {}: {source}", path.display())]
     Io {
         what: &'static str,
         path: PathBuf,
+        #[source]
         source: io::Error,
     },
-    #[error("mounting the rootfs at {path}: {message}")]
+    #[error("mounting the rootfs at {}: {message}", path.display())]
     Rootfs { path: PathBuf, message: String },
-    #[error(transparent)]
-    State(#[from] crate::state::StateError),
+    #[error("container id {0:?} cannot name a folder of the pod's shared directory")]
+    BadId(String),
+    #[error("bind mount path {} is not <container id>/mounts/<n>", .0.display())]
+    BadBind(PathBuf),
 }
 
-fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ShareError + 'a {
-    move |source| ShareError::Io {
-        what,
-        path: path.to_path_buf(),
-        source,
+fn io_err(what: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> ShareError {
+    let path = path.into();
+    move |source| ShareError::Io { what, path, source }
+}
+
+/// The pod's shared directory: the read-only skeleton the guest sees, and this process's own
+/// writable view of it (module doc).
+#[derive(Debug)]
+pub struct PodShare {
+    /// `<state>/shared`, for messages.
+    path: PathBuf,
+    /// The root of the exported (read-only) mount: containers' files are mounted under it.
+    export: OwnedFd,
+    /// The root of the detached writable clone: the skeleton is created through it.
+    writable: OwnedFd,
+}
+
+impl PodShare {
+    /// Mounts the pod's skeleton tmpfs at `<state>/shared` read-only and keeps a writable
+    /// detached clone of it. `state` must exist. On error nothing stays mounted.
+    pub fn create(state: &StateDir) -> Result<PodShare, ShareError> {
+        let path = state.shared_dir();
+        let state_fd =
+            host_fs::open_root_dir(state.path()).map_err(io_err("opening", state.path()))?;
+        let dir = state_fd.as_fd();
+        host_fs::mkdir_beneath(dir, Path::new(SHARED), 0o755).map_err(io_err("creating", &path))?;
+        let tmpfs = host_fs::new_tmpfs(
+            &[
+                ("size", SKELETON_SIZE),
+                ("nr_inodes", SKELETON_INODES),
+                ("mode", "0755"),
+            ],
+            MountAttrFlags::MOUNT_ATTR_NOSUID
+                | MountAttrFlags::MOUNT_ATTR_NODEV
+                | MountAttrFlags::MOUNT_ATTR_NOEXEC,
+        )
+        .map_err(io_err("creating the skeleton tmpfs for", &path))?;
+        let target =
+            host_fs::open_beneath(dir, Path::new(SHARED), OFlags::PATH | OFlags::DIRECTORY)
+                .map_err(io_err("opening", &path))?;
+        host_fs::attach(tmpfs.as_fd(), target.as_fd())
+            .map_err(io_err("mounting the skeleton tmpfs on", &path))?;
+        let made = Self::finish(dir, &path);
+        if made.is_err() {
+            if let Err(e) = host_fs::unmount_beneath(dir, Path::new(SHARED)) {
+                log::warn!("unmounting {} after a failed setup: {e}", path.display());
+            }
+        }
+        made
     }
-}
 
-/// The host folder of container `cid` in the pod's shared directory.
-pub fn container_dir(state: &StateDir, cid: &str) -> PathBuf {
-    state.shared_dir().join(cid)
-}
-
-/// Mounts container `cid`'s rootfs and bind sources into the shared directory. With no rootfs
-/// mounts (the bundle's `rootfs` is already the root), `bundle_rootfs` is bind-mounted. On error
-/// what was mounted is undone.
-pub fn share_container(
-    state: &StateDir,
-    cid: &str,
-    rootfs: &[RootfsMount],
-    bundle_rootfs: &Path,
-    binds: &[ShareBind],
-) -> Result<PathBuf, ShareError> {
-    let result = share_inner(state, cid, rootfs, bundle_rootfs, binds);
-    if result.is_err() {
-        let _ = unshare_container(state, cid);
+    /// The steps after the tmpfs is mounted: private, cloned writable, then read-only.
+    fn finish(state_dir: std::os::fd::BorrowedFd<'_>, path: &Path) -> Result<PodShare, ShareError> {
+        let export = host_fs::open_beneath(
+            state_dir,
+            Path::new(SHARED),
+            OFlags::PATH | OFlags::DIRECTORY,
+        )
+        .map_err(io_err("opening", path))?;
+        if !host_fs::is_mount_root(export.as_fd()).map_err(io_err("checking", path))? {
+            return Err(ShareError::Io {
+                what: "checking",
+                path: path.to_path_buf(),
+                source: io::Error::other("the skeleton tmpfs is not mounted there"),
+            });
+        }
+        // Private: what the shim mounts under it later is not copied into other namespaces
+        // (on a host whose root is a shared mount, the new mount joined its peer group).
+        host_fs::set_mount_attrs(
+            export.as_fd(),
+            MountAttrFlags::empty(),
+            Some(Propagation::Private),
+            false,
+        )
+        .map_err(io_err("making private", path))?;
+        let writable = host_fs::clone_mount(export.as_fd())
+            .map_err(io_err("cloning the skeleton of", path))?;
+        host_fs::set_mount_attrs(
+            export.as_fd(),
+            MountAttrFlags::MOUNT_ATTR_RDONLY,
+            None,
+            false,
+        )
+        .map_err(io_err("making read-only", path))?;
+        Ok(PodShare {
+            path: path.to_path_buf(),
+            export,
+            writable,
+        })
     }
-    result
-}
 
-fn share_inner(
-    state: &StateDir,
-    cid: &str,
-    rootfs: &[RootfsMount],
-    bundle_rootfs: &Path,
-    binds: &[ShareBind],
-) -> Result<PathBuf, ShareError> {
-    let target = container_dir(state, cid).join("rootfs");
-    fs::create_dir_all(&target).map_err(io_err("create", &target))?;
-    state.record_mount(&target)?;
-    if rootfs.is_empty() {
-        bind(bundle_rootfs, &target, false, false)?;
+    /// The host directory the VM exports.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
-    for m in rootfs {
-        let source = (!m.source.is_empty()).then_some(m.source.as_str());
-        containerd_shim::mount::mount_rootfs(Some(&m.fs_type), source, &m.options, &target)
+
+    /// Mounts container `cid`'s rootfs and bind sources into the share. With no rootfs mounts
+    /// (the bundle's `rootfs` is already the root), `bundle_rootfs` is bind-mounted. On error
+    /// what was made is undone.
+    pub fn share_container(
+        &self,
+        cid: &str,
+        rootfs: &[RootfsMount],
+        bundle_rootfs: &Path,
+        binds: &[ShareBind],
+    ) -> Result<(), ShareError> {
+        let result = self.share_inner(cid, rootfs, bundle_rootfs, binds);
+        if result.is_err() {
+            if let Err(e) = self.unshare_container(cid) {
+                log::warn!("undoing the share of container {cid}: {e}");
+            }
+        }
+        result
+    }
+
+    fn share_inner(
+        &self,
+        cid: &str,
+        rootfs: &[RootfsMount],
+        bundle_rootfs: &Path,
+        binds: &[ShareBind],
+    ) -> Result<(), ShareError> {
+        let cid_dir = container_folder(cid)?;
+        // Check every bind's place before anything is made.
+        let places = binds
+            .iter()
+            .map(|b| bind_place(cid, &b.relative))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rw = self.writable.as_fd();
+        let rootfs_rel = cid_dir.join("rootfs");
+        let mounts_rel = cid_dir.join("mounts");
+        for d in [&cid_dir, &rootfs_rel, &mounts_rel] {
+            host_fs::mkdir_beneath(rw, d, 0o755).map_err(io_err("creating", self.path.join(d)))?;
+        }
+        let target = self.open_export_dir(&rootfs_rel)?;
+        if rootfs.is_empty() {
+            let tree = host_fs::clone_tree(bundle_rootfs)
+                .map_err(io_err("opening the bundle rootfs", bundle_rootfs))?;
+            self.attach_bind(tree, &target, &rootfs_rel, false, false)?;
+        }
+        for m in rootfs {
+            let source = (!m.source.is_empty()).then_some(m.source.as_str());
+            // nosuid, nodev: nothing in the image or written by the guest is a setuid program
+            // or a device on the host. The target is the descriptor opened above, named by its
+            // own /proc/self/fd link, so the mount lands exactly there.
+            let mut options = m.options.clone();
+            options.extend(["nosuid".to_string(), "nodev".to_string()]);
+            containerd_shim::mount::mount_rootfs(
+                Some(&m.fs_type),
+                source,
+                &options,
+                host_fs::fd_path(target.as_fd()),
+            )
             .map_err(|e| ShareError::Rootfs {
-                path: target.clone(),
+                path: self.path.join(&rootfs_rel),
                 message: format!("{} mount of {}: {e}", m.fs_type, m.source),
             })?;
-    }
-    for b in binds {
-        let dest = state.shared_dir().join(&b.relative);
-        let meta = fs::metadata(&b.host_source).map_err(io_err("bind source", &b.host_source))?;
-        if let Some(parent) = dest.parent() {
-            fs::create_dir_all(parent).map_err(io_err("create", parent))?;
         }
-        if meta.is_dir() {
-            fs::create_dir_all(&dest).map_err(io_err("create", &dest))?;
+        for (b, place) in binds.iter().zip(places) {
+            let tree = host_fs::clone_tree(&b.host_source)
+                .map_err(io_err("opening the bind source", &b.host_source))?;
+            let is_dir = fstat(&tree)
+                .map(|st| FileType::from_raw_mode(st.st_mode) == FileType::Directory)
+                .map_err(|e| io_err("inspecting the bind source", &b.host_source)(e.into()))?;
+            let rel = mounts_rel.join(&place);
+            let host = self.path.join(&rel);
+            if is_dir {
+                host_fs::mkdir_beneath(rw, &rel, 0o755).map_err(io_err("creating", &host))?;
+            } else {
+                host_fs::create_file_beneath(rw, &rel, 0o444).map_err(io_err("creating", &host))?;
+            }
+            let target = host_fs::open_beneath(self.export.as_fd(), &rel, OFlags::PATH)
+                .map_err(io_err("opening", &host))?;
+            self.attach_bind(tree, &target, &rel, b.readonly, b.from_host)?;
+        }
+        Ok(())
+    }
+
+    /// Opens directory `rel` of the exported mount, as a mount target.
+    fn open_export_dir(&self, rel: &Path) -> Result<OwnedFd, ShareError> {
+        host_fs::open_beneath(self.export.as_fd(), rel, OFlags::PATH | OFlags::DIRECTORY)
+            .map_err(io_err("opening", self.path.join(rel)))
+    }
+
+    /// Gives a cloned tree its flags (nosuid, nodev, read-only if asked, recursively) and
+    /// propagation (private, or slave of the host source: mounts made later under a shared
+    /// source on the host appear in the share, hence in the guest, while nothing mounted under
+    /// the share goes back: HostToContainer and Bidirectional volumes), then attaches it.
+    fn attach_bind(
+        &self,
+        tree: OwnedFd,
+        target: &OwnedFd,
+        rel: &Path,
+        readonly: bool,
+        from_host: bool,
+    ) -> Result<(), ShareError> {
+        let host = self.path.join(rel);
+        let mut attrs = MountAttrFlags::MOUNT_ATTR_NOSUID | MountAttrFlags::MOUNT_ATTR_NODEV;
+        if readonly {
+            attrs |= MountAttrFlags::MOUNT_ATTR_RDONLY;
+        }
+        let propagation = if from_host {
+            Propagation::Slave
         } else {
-            fs::write(&dest, b"").map_err(io_err("create", &dest))?;
+            Propagation::Private
+        };
+        host_fs::set_mount_attrs(tree.as_fd(), attrs, Some(propagation), true)
+            .map_err(io_err("setting the flags of the bind for", &host))?;
+        host_fs::attach(tree.as_fd(), target.as_fd()).map_err(io_err("bind-mounting onto", &host))
+    }
+
+    /// Unmounts everything of container `cid` in the share and removes its folder. Harmless
+    /// if nothing is there.
+    pub fn unshare_container(&self, cid: &str) -> Result<(), ShareError> {
+        let cid_dir = container_folder(cid)?;
+        let rw = self.writable.as_fd();
+        let mounts_rel = cid_dir.join("mounts");
+        let names: Vec<OsString> = match host_fs::list_beneath(rw, &mounts_rel) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(io_err("listing", self.path.join(&mounts_rel))(e)),
+        };
+        for name in names {
+            let rel = mounts_rel.join(name);
+            host_fs::unmount_beneath(self.export.as_fd(), &rel)
+                .map_err(io_err("unmounting", self.path.join(&rel)))?;
         }
-        state.record_mount(&dest)?;
-        bind(&b.host_source, &dest, b.readonly, b.from_host)?;
-    }
-    Ok(target)
-}
-
-/// Unmounts everything of container `cid` in the shared directory (deepest first) and removes
-/// its folder. Harmless if nothing is there.
-pub fn unshare_container(state: &StateDir, cid: &str) -> Result<(), ShareError> {
-    let dir = container_dir(state, cid);
-    let mut mounts = mounts_under(&dir);
-    mounts.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
-    for m in &mounts {
-        umount(m).map_err(io_err("unmount", m))?;
-    }
-    match fs::remove_dir_all(&dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(io_err("remove", &dir)(e)),
+        let rootfs_rel = cid_dir.join("rootfs");
+        host_fs::unmount_beneath(self.export.as_fd(), &rootfs_rel)
+            .map_err(io_err("unmounting", self.path.join(&rootfs_rel)))?;
+        host_fs::remove_tree_beneath(rw, &cid_dir)
+            .map_err(io_err("removing", self.path.join(&cid_dir)))
     }
 }
 
-fn cstr(p: &Path) -> Result<CString, ShareError> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| ShareError::Io {
-        what: "path with NUL",
-        path: p.to_path_buf(),
-        source: io::Error::from(io::ErrorKind::InvalidInput),
-    })
-}
-
-/// `mount --rbind source target`, then read-only if asked. Private propagation, or with
-/// `from_host` slave: mounts made later under a shared source on the host appear in the share,
-/// hence in the guest through the shared filesystem (HostToContainer and Bidirectional volumes),
-/// while nothing mounted under the share goes back to the source.
-fn bind(source: &Path, target: &Path, readonly: bool, from_host: bool) -> Result<(), ShareError> {
-    let t = cstr(target)?;
-    mount(Some(&cstr(source)?), &t, libc::MS_BIND | libc::MS_REC)
-        .map_err(io_err("bind-mount onto", target))?;
-    let (propagation, what) = if from_host {
-        (libc::MS_SLAVE, "make slave")
+/// Container `cid`'s folder in the share: one plain name.
+fn container_folder(cid: &str) -> Result<PathBuf, ShareError> {
+    let plain = !cid.is_empty()
+        && !cid.contains('\0')
+        && matches!(
+            Path::new(cid).components().collect::<Vec<_>>().as_slice(),
+            [Component::Normal(_)]
+        );
+    if plain {
+        Ok(PathBuf::from(cid))
     } else {
-        (libc::MS_PRIVATE, "make private")
-    };
-    mount(None, &t, propagation | libc::MS_REC).map_err(io_err(what, target))?;
-    if readonly {
-        mount(None, &t, libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY)
-            .map_err(io_err("remount read-only", target))?;
-    }
-    Ok(())
-}
-
-/// mount(2) of `source` (none: a change to the mount at `target`) with `flags`, no fs type or data.
-fn mount(source: Option<&CString>, target: &CString, flags: libc::c_ulong) -> io::Result<()> {
-    let source = source.map_or(std::ptr::null(), |s| s.as_ptr());
-    // SAFETY: mount(2) with valid NUL-terminated paths (or null for the source of a flags-only
-    // change) and no fs type or data; the kernel retains none of the pointers.
-    let rc = unsafe {
-        libc::mount(
-            source,
-            target.as_ptr(),
-            std::ptr::null(),
-            flags,
-            std::ptr::null(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
+        Err(ShareError::BadId(cid.to_string()))
     }
 }
 
-fn umount(target: &Path) -> io::Result<()> {
-    let t = CString::new(target.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: umount2(2) with a valid NUL-terminated path.
-    if unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
+/// The `<n>` of a bind's place `<cid>/mounts/<n>`.
+fn bind_place(cid: &str, relative: &Path) -> Result<OsString, ShareError> {
+    let c: Vec<Component<'_>> = relative.components().collect();
+    match c.as_slice() {
+        [Component::Normal(id), Component::Normal(m), Component::Normal(n)]
+            if *id == cid && *m == "mounts" =>
+        {
+            Ok(n.to_os_string())
+        }
+        _ => Err(ShareError::BadBind(relative.to_path_buf())),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::mounts_under;
+    use std::fs;
 
     fn require_root() {
-        // SAFETY: geteuid(2) has no preconditions.
-        let euid = unsafe { libc::geteuid() };
-        assert_eq!(euid, 0, "mounting needs root (make test runs as root)");
+        assert_eq!(
+            rustix::process::geteuid().as_raw(),
+            0,
+            "mounting needs root (make test runs as root)"
+        );
     }
 
-    #[test]
-    fn shares_an_overlay_rootfs_and_binds_then_unshares() {
+    /// The mount options /proc/self/mountinfo shows for mount point `at`.
+    fn mount_options(at: &Path) -> String {
+        let info = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        info.lines()
+            .filter(|l| l.split(' ').nth(4) == Some(at.to_str().unwrap()))
+            .filter_map(|l| l.split(' ').nth(5))
+            .next_back()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    struct Pod {
+        _tmp: tempfile::TempDir,
+        state: StateDir,
+        share: PodShare,
+    }
+
+    fn pod() -> Pod {
         require_root();
         let tmp = tempfile::tempdir().unwrap();
         let state = StateDir::new(tmp.path(), "pod").unwrap();
         state.create(std::process::id()).unwrap();
+        let share = PodShare::create(&state).unwrap();
+        Pod {
+            _tmp: tmp,
+            state,
+            share,
+        }
+    }
+
+    #[test]
+    fn the_skeleton_is_read_only_to_everyone_but_the_shim_and_bounded() {
+        let p = pod();
+        let shared = p.state.shared_dir();
+        assert_eq!(p.share.path(), shared);
+        let opts = mount_options(&shared);
+        for o in ["ro", "nosuid", "nodev", "noexec"] {
+            assert!(opts.split(',').any(|x| x == o), "{o} in {opts}");
+        }
+        // Whoever reaches the share by its path (the VM's file server does) cannot write it.
+        let err = fs::create_dir(shared.join("c9")).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+        assert!(std::os::unix::fs::symlink("/etc", shared.join("c9")).is_err());
+        assert!(fs::write(shared.join("fill"), vec![0u8; 4096]).is_err());
+        p.state.cleanup().unwrap();
+    }
+
+    #[test]
+    fn shares_an_overlay_rootfs_and_binds_then_unshares() {
+        let p = pod();
+        let tmp = tempfile::tempdir().unwrap();
         let layers = tmp.path().join("layers");
         let (lower, upper, work) = (layers.join("l"), layers.join("u"), layers.join("w"));
         for d in [&lower, &upper, &work] {
@@ -208,6 +410,14 @@ mod tests {
         let vol = tmp.path().join("vol");
         fs::create_dir_all(&vol).unwrap();
         fs::write(vol.join("data"), "volume").unwrap();
+        // A read-only volume with a mount under it: read-only all the way down.
+        let ro_vol = tmp.path().join("ro-vol");
+        fs::create_dir_all(ro_vol.join("sub")).unwrap();
+        let sub_src = tmp.path().join("sub-src");
+        fs::create_dir_all(&sub_src).unwrap();
+        let sub = host_fs::clone_tree(&sub_src).unwrap();
+        let sub_target = host_fs::open_root_dir(&ro_vol.join("sub")).unwrap();
+        host_fs::attach(sub.as_fd(), sub_target.as_fd()).unwrap();
         let rootfs = [RootfsMount {
             fs_type: "overlay".into(),
             source: "overlay".into(),
@@ -217,27 +427,37 @@ mod tests {
                 format!("workdir={}", work.display()),
             ],
         }];
+        let bind = |src: &Path, n: u32, readonly: bool| ShareBind {
+            host_source: src.to_path_buf(),
+            relative: format!("c1/mounts/{n}").into(),
+            readonly,
+            from_host: false,
+        };
         let binds = [
-            ShareBind {
-                host_source: hosts.clone(),
-                relative: "c1/mounts/1".into(),
-                readonly: true,
-                from_host: false,
-            },
-            ShareBind {
-                host_source: vol.clone(),
-                relative: "c1/mounts/2".into(),
-                readonly: false,
-                from_host: false,
-            },
+            bind(&hosts, 1, true),
+            bind(&vol, 2, false),
+            bind(&ro_vol, 3, true),
         ];
-        let root =
-            share_container(&state, "c1", &rootfs, Path::new("/nonexistent"), &binds).unwrap();
+        p.share
+            .share_container("c1", &rootfs, Path::new("/nonexistent"), &binds)
+            .unwrap();
+        let shared = p.state.shared_dir();
+        let root = shared.join("c1/rootfs");
         assert_eq!(
             fs::read_to_string(root.join("hello")).unwrap(),
             "from the image"
         );
-        let shared = state.shared_dir();
+        fs::write(root.join("new"), "guest write").unwrap();
+        assert!(upper.join("new").exists(), "the rootfs is writable");
+        for o in ["nosuid", "nodev"] {
+            assert!(mount_options(&root).split(',').any(|x| x == o), "{o}");
+            assert!(
+                mount_options(&shared.join("c1/mounts/2"))
+                    .split(',')
+                    .any(|x| x == o),
+                "{o}"
+            );
+        }
         assert_eq!(
             fs::read_to_string(shared.join("c1/mounts/1")).unwrap(),
             "127.0.0.1 localhost\n"
@@ -248,22 +468,34 @@ mod tests {
         );
         fs::write(shared.join("c1/mounts/2/new"), "w").unwrap();
         assert!(vol.join("new").exists());
-        assert_eq!(mounts_under(&container_dir(&state, "c1")).len(), 3);
+        assert!(
+            fs::write(shared.join("c1/mounts/3/sub/x"), "w").is_err(),
+            "a read-only volume's submounts are read-only too"
+        );
+        assert!(
+            fs::create_dir(shared.join("c1/mounts/9")).is_err(),
+            "the skeleton is read-only"
+        );
+        assert_eq!(mounts_under(&shared.join("c1")).len(), 5);
 
-        unshare_container(&state, "c1").unwrap();
-        assert!(mounts_under(tmp.path()).is_empty());
-        assert!(!container_dir(&state, "c1").exists());
+        p.share.unshare_container("c1").unwrap();
+        assert!(mounts_under(&shared.join("c1")).is_empty());
+        assert!(!shared.join("c1").exists());
         assert!(lower.join("hello").exists() && hosts.exists() && vol.join("new").exists());
-        unshare_container(&state, "c1").unwrap();
-        state.cleanup().unwrap();
+        p.share.unshare_container("c1").unwrap();
+        host_fs::unmount_beneath(
+            host_fs::open_root_dir(tmp.path()).unwrap().as_fd(),
+            Path::new("ro-vol/sub"),
+        )
+        .unwrap();
+        p.state.cleanup().unwrap();
+        assert!(mounts_under(p.state.path()).is_empty());
     }
 
     #[test]
     fn a_failed_share_undoes_what_it_mounted() {
-        require_root();
+        let p = pod();
         let tmp = tempfile::tempdir().unwrap();
-        let state = StateDir::new(tmp.path(), "pod").unwrap();
-        state.create(std::process::id()).unwrap();
         let image = tmp.path().join("image");
         fs::create_dir_all(&image).unwrap();
         let binds = [ShareBind {
@@ -272,12 +504,44 @@ mod tests {
             readonly: false,
             from_host: false,
         }];
-        let err = share_container(&state, "c2", &[], &image, &binds)
+        let err = p
+            .share
+            .share_container("c2", &[], &image, &binds)
             .unwrap_err()
             .to_string();
         assert!(err.contains("missing"), "{err}");
-        assert!(mounts_under(tmp.path()).is_empty());
-        assert!(!container_dir(&state, "c2").exists());
-        state.cleanup().unwrap();
+        let shared = p.state.shared_dir();
+        assert!(mounts_under(&shared.join("c2")).is_empty());
+        assert!(!shared.join("c2").exists());
+        p.state.cleanup().unwrap();
+    }
+
+    #[test]
+    fn ids_and_bind_places_that_could_leave_the_container_folder_are_refused() {
+        for bad in ["", ".", "..", "a/b", "/x", "a\0b"] {
+            assert!(container_folder(bad).is_err(), "{bad:?}");
+        }
+        assert!(bind_place("c1", Path::new("c1/mounts/0")).is_ok());
+        for bad in [
+            "c2/mounts/0",
+            "c1/rootfs/0",
+            "c1/mounts/../x",
+            "c1/mounts",
+            "/c1/mounts/0",
+        ] {
+            assert!(bind_place("c1", Path::new(bad)).is_err(), "{bad}");
+        }
+        let p = pod();
+        let binds = [ShareBind {
+            host_source: "/etc".into(),
+            relative: "c1/../../x".into(),
+            readonly: true,
+            from_host: false,
+        }];
+        assert!(p
+            .share
+            .share_container("c1", &[], Path::new("/nonexistent"), &binds)
+            .is_err());
+        p.state.cleanup().unwrap();
     }
 }

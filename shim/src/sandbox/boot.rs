@@ -10,7 +10,9 @@
 //!    info log when the spec has no `cgroupsPath` or the config disables it);
 //! 5. the network: a tap per CNI interface in the pod netns the sandbox spec names, redirected
 //!    both ways (`resources::network`, recorded in the state directory before anything is made);
-//! 6. storage: the pod's shared folder, exported to the guest over virtio-fs;
+//! 6. storage: the pod's shared folder, exported to the guest over virtio-fs: a small tmpfs of
+//!    its own, read-only to the guest, which only the shim can write through a detached mount of
+//!    its own (`resources::storage`);
 //! 7. devices: kubelet's PodResources API says which device plugins' devices the pod holds;
 //!    their block nodes become cold-plugged disks, their VFIO devices the VM's PCI devices, and
 //!    empty block slots are reserved for hot-plug (`resources::devices`, recorded in the state
@@ -38,7 +40,7 @@ use crate::config::{Config, Hypervisor};
 use crate::host_check;
 use crate::resources::cgroup::overhead::{Amounts, Defaults};
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, SetupRequest};
-use crate::resources::{devices, network};
+use crate::resources::{devices, network, storage};
 use crate::state::{state_root, StateDir};
 use crate::task::bundle;
 use crate::vm::thread::{BootError, VmThread};
@@ -129,14 +131,13 @@ impl Sandbox {
             None => (Vec::new(), None),
         };
         // 6. Storage: the shared folder.
-        let shared_dir = state.shared_dir();
-        if let Err(source) = std::fs::create_dir_all(&shared_dir) {
-            let _ = release_host_resources(&state).await;
-            return Err(SandboxError::SharedDir {
-                path: shared_dir,
-                source,
-            });
-        }
+        let share = match storage::PodShare::create(&state) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                let _ = release_host_resources(&state).await;
+                return Err(e.into());
+            }
+        };
         // 7. Devices: what the pod holds at boot, and the empty slots beside them.
         let cold = match devices::cold_plug(&config.devices, req.annotations).await {
             Ok(c) => c,
@@ -196,7 +197,7 @@ impl Sandbox {
         guest.hostname = req.spec["hostname"].as_str().map(str::to_owned);
         guest.shared = Some(SharedDir {
             tag: spec::SHARED_FS_TAG.to_string(),
-            host_dir: shared_dir,
+            host_dir: share.path().to_path_buf(),
         });
         guest.nics = nics;
         guest.vfio = cold.vfio.clone();
@@ -294,6 +295,7 @@ impl Sandbox {
         Ok(Sandbox {
             id: id.to_string(),
             state,
+            share,
             host_cgroup: std::sync::Mutex::new(host_cgroup),
             vm,
             agent,

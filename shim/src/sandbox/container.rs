@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use crate::agent::stdio::{self, Attached, Fifos};
 use crate::resources::devices::{self, DevicesError};
-use crate::resources::storage::{self, RootfsMount};
+use crate::resources::storage::RootfsMount;
 
 use super::{spec, Sandbox, SandboxError};
 
@@ -86,10 +86,10 @@ impl Sandbox {
             }
         };
         let shared = {
-            let (state, id) = (self.state.clone(), id.clone());
+            let (share, id) = (self.share.clone(), id.clone());
             let bundle_rootfs = bundle.join("rootfs");
             tokio::task::spawn_blocking(move || {
-                storage::share_container(&state, &id, &rootfs, &bundle_rootfs, &binds)
+                share.share_container(&id, &rootfs, &bundle_rootfs, &binds)
             })
             .await
             .map_err(|e| SandboxError::Task(e.to_string()))
@@ -167,9 +167,8 @@ impl Sandbox {
     }
 
     async fn unshare(&self, id: &str) {
-        let (state, cid) = (self.state.clone(), id.to_string());
-        let undone =
-            tokio::task::spawn_blocking(move || storage::unshare_container(&state, &cid)).await;
+        let (share, cid) = (self.share.clone(), id.to_string());
+        let undone = tokio::task::spawn_blocking(move || share.unshare_container(&cid)).await;
         match undone {
             Ok(Err(e)) => log::warn!("unsharing container {id}: {e}"),
             Err(e) => log::warn!("unsharing container {id}: {e}"),

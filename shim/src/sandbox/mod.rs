@@ -20,7 +20,7 @@ pub mod pod_config;
 pub mod reclaim;
 pub mod spec;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use containerd_shim_protos::ttrpc::Code;
 use tokio::sync::watch;
@@ -30,7 +30,7 @@ use crate::config::ConfigError;
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, HostUsage};
 use crate::resources::devices::{DeviceTable, DevicesError};
 use crate::resources::network::{self, NetworkError};
-use crate::resources::storage::ShareError;
+use crate::resources::storage::{PodShare, ShareError};
 use crate::state::{StateDir, StateError};
 use crate::vm::thread::{BootError, VmThread};
 use crate::vm::VmEnd;
@@ -58,11 +58,8 @@ pub enum SandboxError {
     Cgroup(#[from] CgroupError),
     #[error("setting up the pod network: {0}")]
     Network(#[from] NetworkError),
-    #[error("creating {path}: {source}")]
-    SharedDir {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error("the pod's shared folder: {0}")]
+    Share(#[from] ShareError),
     #[error(transparent)]
     Boot(#[from] BootError),
     #[error("{what}: {source}")]
@@ -90,7 +87,7 @@ impl SandboxError {
             SandboxError::KvmUnusable(_) | SandboxError::Network(_) | SandboxError::Cgroup(_) => {
                 Code::FAILED_PRECONDITION
             }
-            SandboxError::State(_) | SandboxError::SharedDir { .. } | SandboxError::Task(_) => {
+            SandboxError::State(_) | SandboxError::Share(_) | SandboxError::Task(_) => {
                 Code::INTERNAL
             }
             SandboxError::OtherPod { .. } => Code::NOT_FOUND,
@@ -103,16 +100,12 @@ impl SandboxError {
     }
 }
 
-impl From<ShareError> for SandboxError {
-    fn from(e: ShareError) -> Self {
-        SandboxError::Task(e.to_string())
-    }
-}
-
 /// A running pod: its id, state directory, VM and checked agent.
 pub struct Sandbox {
     id: String,
     state: StateDir,
+    /// The pod's shared folder (`resources::storage`): where app containers' files go.
+    share: std::sync::Arc<PodShare>,
     /// The pod's host cgroup, if it has one (resized by Update).
     host_cgroup: std::sync::Mutex<Option<HostCgroup>>,
     vm: VmThread,
