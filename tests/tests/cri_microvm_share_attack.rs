@@ -116,7 +116,7 @@ fn run_free_bytes() -> u64 {
         );
         st.assume_init()
     };
-    u64::from(st.f_bavail) * st.f_frsize
+    st.f_bavail * st.f_frsize
 }
 
 /// `tests/images/share-attack.c`, compiled static into `dir`.
