@@ -27,6 +27,7 @@
 
 pub mod device;
 mod event_handler;
+pub mod policy;
 pub mod request;
 
 use std::path::PathBuf;
