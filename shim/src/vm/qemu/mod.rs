@@ -168,6 +168,43 @@ pub enum QemuError {
     },
 }
 
+/// Capabilities virtiofsd gives up (its `-o modcaps`, applied to all its threads that serve the
+/// guest): no device nodes but the 0:0 overlay whiteout (`mknod`), no file capabilities
+/// (`setfcap`), and set-ID bits cleared on every write and truncate (`fsetid`). It keeps
+/// `chown`, `dac_override`, `fowner`, `setgid` and `setuid`, which serving guest root needs.
+pub const VIRTIOFSD_MODCAPS: &str = "-mknod:-setfcap:-fsetid";
+
+/// virtiofsd's command line (Debian's C virtiofsd of QEMU 7.2) for `source` on `socket`.
+/// - `sandbox=chroot`: it serves from the host's mount namespace, so the mounts the shim makes
+///   under the directory later (container rootfs, volumes) are seen, and their unmounts too.
+///   `sandbox=namespace` would serve from a private copy of the mount namespace, which sees
+///   later mounts only through mount propagation (none on hosts whose `/` is private) and
+///   would keep unmounted container mounts alive.
+/// - `modcaps`: [`VIRTIOFSD_MODCAPS`].
+/// - `no_xattr` (its default, made explicit): every SETXATTR is refused, `security.capability`
+///   included. An `xattrmap` would turn xattrs on.
+///
+/// What it cannot refuse: `chmod u+s`/`g+s` and set-ID modes at creation (docs/qemu-backend.md).
+pub fn virtiofsd_args(socket: &Path, source: &Path) -> Vec<std::ffi::OsString> {
+    let mut socket_arg = std::ffi::OsString::from("--socket-path=");
+    socket_arg.push(socket);
+    let mut source_arg = std::ffi::OsString::from("source=");
+    source_arg.push(source);
+    let mut args = vec![socket_arg, "-o".into(), source_arg];
+    let modcaps = format!("modcaps={VIRTIOFSD_MODCAPS}");
+    for opt in [
+        "cache=auto",
+        "sandbox=chroot",
+        "no_xattr",
+        modcaps.as_str(),
+        "log_level=warn",
+    ] {
+        args.push("-o".into());
+        args.push(opt.into());
+    }
+    args
+}
+
 /// A running guest under QEMU with its vsock backend. Dropping it kills and reaps both
 /// processes and removes its sockets and logs (a caller-named console log excepted).
 #[derive(Debug)]
@@ -250,28 +287,16 @@ impl QemuVm {
     }
 
     /// Starts virtiofsd for the shared directory, if any, and waits for its vhost-user socket.
-    /// `sandbox=chroot`: it serves from the host's mount namespace, so mounts made under the
-    /// directory later (container rootfs) are seen without mount propagation.
     fn start_virtiofsd(&mut self, cfg: &QemuConfig) -> Result<(), QemuError> {
         let Some(shared) = &cfg.shared_fs else {
             return Ok(());
         };
         let stderr = create_file(&self.paths.virtiofsd_stderr)?;
         let mut cmd = Command::new(&cfg.virtiofsd_binary);
-        cmd.arg(format!(
-            "--socket-path={}",
-            self.paths.virtiofs_socket.display()
+        cmd.args(virtiofsd_args(
+            &self.paths.virtiofs_socket,
+            &shared.host_dir,
         ))
-        .arg("-o")
-        .arg(format!("source={}", shared.host_dir.display()))
-        .args([
-            "-o",
-            "cache=auto",
-            "-o",
-            "sandbox=chroot",
-            "-o",
-            "log_level=warn",
-        ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(stderr);
@@ -765,6 +790,35 @@ mod tests {
         assert!(cfg.validate().is_err());
         paths.remove_all();
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn virtiofsd_gets_the_host_safety_options() {
+        let args: Vec<String> = virtiofsd_args(Path::new("/w/fs.sock"), Path::new("/r/shared"))
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect();
+        assert_eq!(args[0], "--socket-path=/w/fs.sock");
+        // Every option is its own `-o <opt>` pair.
+        let opts: Vec<&str> = args[1..]
+            .chunks(2)
+            .map(|pair| {
+                assert_eq!(pair[0], "-o", "{args:?}");
+                pair[1].as_str()
+            })
+            .collect();
+        assert_eq!(
+            opts,
+            [
+                "source=/r/shared",
+                "cache=auto",
+                "sandbox=chroot",
+                "no_xattr",
+                "modcaps=-mknod:-setfcap:-fsetid",
+                "log_level=warn",
+            ]
+        );
+        assert!(!opts.iter().any(|o| o.starts_with("xattrmap")));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use fuse_backend_rs::api::filesystem::FileSystem;
 use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::passthrough::{Config, PassthroughFs};
 
+use super::policy::{self, HostPolicy};
 use super::request::{handle_request, FsServer};
 use super::{validate_tag, FsError, CONFIG_SIZE, NUM_REQUEST_QUEUES, QUEUE_SIZE, TAG_MAX_LEN};
 use crate::virtio::device_state::DeviceState;
@@ -30,6 +31,9 @@ pub struct FsStats {
     pub rejected_answered: u64,
     /// Requests returned unanswered (unusable chain, or the server could not reply).
     pub dropped: u64,
+    /// Requests the host-safety policy refused with `EPERM` (counted in `served` too: they
+    /// got a reply). See [`policy`].
+    pub refused_by_policy: u64,
 }
 
 /// The virtio-fs device sharing one host directory.
@@ -38,7 +42,7 @@ pub struct VirtioFs {
     host_dir: PathBuf,
     config: [u8; CONFIG_SIZE],
     state: DeviceState,
-    fs: Arc<PassthroughFs<()>>,
+    fs: Arc<HostPolicy<PassthroughFs<()>>>,
     server: FsServer,
     stats: FsStats,
 }
@@ -68,12 +72,11 @@ impl VirtioFs {
             xattr: false,
             ..Default::default()
         };
-        let fs = Arc::new(
-            PassthroughFs::<()>::new(cfg).map_err(|source| FsError::Backend {
-                path: host_dir.to_owned(),
-                source,
-            })?,
-        );
+        let passthrough = PassthroughFs::<()>::new(cfg).map_err(|source| FsError::Backend {
+            path: host_dir.to_owned(),
+            source,
+        })?;
+        let fs = Arc::new(HostPolicy::new(passthrough));
         let server = Server::new(fs.clone());
         let state = DeviceState::new(
             "virtio-fs",
@@ -108,11 +111,19 @@ impl VirtioFs {
 
     /// What the device has done so far.
     pub fn stats(&self) -> FsStats {
-        self.stats
+        FsStats {
+            refused_by_policy: self.fs.refused(),
+            ..self.stats
+        }
     }
 
-    /// Serves the available chains of `queue` (at most one queue's worth per call).
+    /// Serves the available chains of `queue` (at most one queue's worth per call). The first
+    /// call on a thread drops that thread's capabilities to make device nodes, file
+    /// capabilities and kept set-ID bits (see [`policy`]).
     pub fn process_queue(&mut self, queue: usize) {
+        if let Err(e) = policy::confine_serving_thread() {
+            log::warn!("virtio-fs: cannot drop the serving thread's capabilities: {e}");
+        }
         let (server, stats) = (&self.server, &mut self.stats);
         self.state.serve_queue(queue, |mem, chain| {
             let head = chain.head_index();

@@ -22,11 +22,18 @@
 //! NUL-terminated names, data bounded by the buffers) return errors, not panics. Guest-caused
 //! failures are logged at debug level only.
 //!
+//! The passthrough runs as host root, so what the guest creates is a real host file: [`policy`]
+//! sits between the server and the passthrough and refuses device nodes (the overlayfs whiteout
+//! excepted), set-user-ID and set-group-ID files and file capabilities with `EPERM`, and the
+//! thread that serves the requests gives up `CAP_MKNOD`, `CAP_SETFCAP` and `CAP_FSETID`.
+//!
 //! Files: [`device`] (the [`VirtioDevice`](super::VirtioDevice), queue processing), [`request`]
-//! (chain checks and the hand-off to the FUSE server), `event_handler` (event-loop glue).
+//! (chain checks and the hand-off to the FUSE server), [`policy`] (host-side file safety),
+//! `event_handler` (event-loop glue).
 
 pub mod device;
 mod event_handler;
+pub mod policy;
 pub mod request;
 
 use std::path::PathBuf;

@@ -7,6 +7,8 @@ use std::sync::Arc;
 use fuse_backend_rs::abi::fuse_abi::{InHeader, OutHeader};
 use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::passthrough::PassthroughFs;
+
+use super::policy::HostPolicy;
 use fuse_backend_rs::transport::{Reader, VirtioFsWriter};
 use virtio_queue::DescriptorChain;
 use vm_memory::{ByteValued, GuestMemory as _};
@@ -14,8 +16,9 @@ use vm_memory::{ByteValued, GuestMemory as _};
 use super::{MAX_DESCRIPTORS, MAX_REPLY_BYTES, MAX_REQUEST_BYTES};
 use crate::GuestMemory;
 
-/// The FUSE server over the passthrough file system, as the device runs it.
-pub type FsServer = Server<Arc<PassthroughFs<()>>>;
+/// The FUSE server over the passthrough file system behind the host-safety policy, as the
+/// device runs it.
+pub type FsServer = Server<Arc<HostPolicy<PassthroughFs<()>>>>;
 
 /// Why a request was rejected or failed (all caused by the guest).
 #[derive(Debug, thiserror::Error)]
