@@ -7,7 +7,8 @@
 //!   which vfio-pci itself filters), except the BARs, which are emulated: the VMM places them in
 //!   the PCI window and the guest may size and move them; the expansion ROM (not offered), the
 //!   capability list (hidden: no MSI/MSI-X yet) and the interrupt line/pin (the GSI the VMM
-//!   routed the device's INTx pin to, and that pin);
+//!   routed the device's INTx pin to, and that pin); the emulated registers and the filter every
+//!   guest write goes through are `vmm_devices::pci::PassthroughConfig` (fuzzed on its own);
 //! - a BAR region that VFIO lets us mmap is mapped into the guest as a KVM memory slot while the
 //!   guest has memory decoding on and the BAR lies in the PCI window (guest accesses then never
 //!   leave the CPU); every other BAR (I/O, or not mmap-able) is trapped and forwarded with
@@ -33,7 +34,7 @@ use vfio_bindings::bindings::vfio::{
 };
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioDeviceFd, VfioRegionInfoCap};
 use vmm_devices::pci::{
-    merge_dword, regs, Bar, BarKind, BarRegs, BarSpace, InterruptRegs, PciDevice, BAR_COUNT,
+    regs, Bar, BarKind, BarSpace, InterruptRegs, PassthroughConfig, PciDevice, BAR_COUNT,
 };
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::ioctl::ioctl_with_ref;
@@ -198,16 +199,15 @@ impl VfioContext {
         let mut dev = VfioPciDevice {
             path: path.clone(),
             device,
-            bars: BarRegs::new(),
+            config: PassthroughConfig::new(),
             maps: Default::default(),
             vm_fd: self.vm_fd.clone(),
-            command: 0,
             intx: None,
-            interrupt: InterruptRegs::none(),
         };
         self.place_bars(&mut dev)?;
         // The guest starts from the device's own decode bits (vfio-pci usually leaves them off).
-        dev.command = dev.read_device_config(regs::COMMAND / 4) as u16;
+        let command = dev.read_device_config(regs::COMMAND / 4) as u16;
+        dev.config.set_command(command);
         dev.update_slots();
         if let Some(pin) = dev.intx_pin() {
             let gsi = self.intx_gsis.next().ok_or_else(|| VfioError::NoFreeGsi {
@@ -215,7 +215,8 @@ impl VfioContext {
                 pin,
             })?;
             // intx_pin() gave 1..=4 and IOAPIC pins are below 24: this is Some.
-            dev.interrupt = InterruptRegs::routed(pin, gsi).unwrap_or_else(InterruptRegs::none);
+            dev.config
+                .set_interrupt(InterruptRegs::routed(pin, gsi).unwrap_or_else(InterruptRegs::none));
             dev.intx = Some(Intx::route(&dev.device, &path, vm, pin, gsi)?);
             log::debug!(
                 "vfio {}: INT{} on IOAPIC pin {gsi}",
@@ -257,8 +258,8 @@ impl VfioContext {
                     size,
                 })?;
             *next = addr + size;
-            dev.bars
-                .set(index, Bar { kind, size, addr })
+            dev.config
+                .set_bar(index, Bar { kind, size, addr })
                 .map_err(|e| bar_err(e.to_string()))?;
 
             let flags = dev.device.get_region_flags(region);
@@ -417,15 +418,12 @@ pub struct VfioPciDevice {
     // Fields drop in order: the BAR mappings go before the device (and its group) is released.
     maps: [Option<BarMap>; BAR_COUNT],
     device: VfioDevice,
-    bars: BarRegs,
+    /// The emulated registers (BARs, command, interrupt line/pin) and the filter of the guest's
+    /// writes (vmm_devices::pci::PassthroughConfig).
+    config: PassthroughConfig,
     vm_fd: Arc<OwnedFd>,
-    /// The guest's command register (memory / I/O decode), as last written.
-    command: u16,
     /// The INTx routing, when the device has a pin.
     intx: Option<Intx>,
-    /// Interrupt Line / Pin (0x3c): the GSI and pin of `intx`; the guest may overwrite the line
-    /// (scratch), which changes nothing in the routing.
-    interrupt: InterruptRegs,
 }
 
 impl VfioPciDevice {
@@ -451,23 +449,15 @@ impl VfioPciDevice {
         u32::from_le_bytes(b)
     }
 
-    fn decodes(&self, kind: BarKind) -> bool {
-        let bit = match kind {
-            BarKind::Io => regs::COMMAND_IO,
-            _ => regs::COMMAND_MEMORY,
-        };
-        self.command & bit != 0
-    }
-
     /// Puts each mmapped BAR's memory slot where the guest's BAR and command register say it
     /// should be: at its address when memory decoding is on and the BAR lies inside the PCI
     /// window, nowhere otherwise (a BAR being sized holds all ones, for instance).
     fn update_slots(&mut self) {
         for index in 0..BAR_COUNT {
-            let Some(bar) = self.bars.get(index) else {
+            let Some(bar) = self.config.bars().get(index) else {
                 continue;
             };
-            let want = (self.decodes(bar.kind)
+            let want = (self.config.decodes(bar.kind)
                 && bar.addr >= PCI_MMIO_START
                 && bar
                     .addr
@@ -500,14 +490,6 @@ impl VfioPciDevice {
         }
     }
 
-    /// The BAR of `space` decoding `[addr, addr + len)`, and the offset into it.
-    fn find_bar(&self, space: BarSpace, addr: u64, len: usize) -> Option<(usize, u64)> {
-        self.bars.iter().find_map(|(i, bar)| {
-            (bar.kind.space() == space && self.decodes(bar.kind))
-                .then(|| bar.contains(addr, len).map(|o| (i, o)))
-                .flatten()
-        })
-    }
 }
 
 /// KVM_SET_USER_MEMORY_REGION on the duplicated VM fd (size 0 deletes the slot).
@@ -531,62 +513,22 @@ fn set_slot(fd: &OwnedFd, slot: u32, gpa: u64, size: u64, host: u64) -> std::io:
 
 impl PciDevice for VfioPciDevice {
     fn config_read(&mut self, reg: usize) -> u32 {
-        let offset = reg * 4;
-        match offset {
-            o if (regs::BAR0..regs::BAR0 + 4 * BAR_COUNT).contains(&o) => {
-                self.bars.read((o - regs::BAR0) / 4)
-            }
-            // No expansion ROM is offered.
-            regs::ROM => 0,
-            // The capability list is hidden (no MSI/MSI-X emulation yet): clear the status bit.
-            regs::COMMAND => {
-                let v = self.read_device_config(reg);
-                v & !(u32::from(regs::STATUS_CAP_LIST) << 16)
-            }
-            regs::CAPABILITIES => 0,
-            // Interrupt line (scratch, initially the GSI) and pin (the routed pin, or none).
-            regs::INTERRUPT_LINE => self.interrupt.read(self.read_device_config(reg)),
-            o if o < vmm_devices::pci::CONFIG_SPACE_SIZE => self.read_device_config(reg),
-            _ => u32::MAX,
-        }
+        self.config.read(reg, |r| self.read_device_config(r))
     }
 
     fn config_write(&mut self, offset: usize, data: &[u8]) {
-        let reg_base = offset & !3;
-        let within = offset & 3;
-        if within + data.len() > 4 || offset >= vmm_devices::pci::CONFIG_SPACE_SIZE {
-            return;
+        let action = self.config.write(offset, data);
+        if action.forward {
+            self.device
+                .region_write(VFIO_PCI_CONFIG_REGION_INDEX, data, offset as u64);
         }
-        match reg_base {
-            o if (regs::BAR0..regs::BAR0 + 4 * BAR_COUNT).contains(&o) => {
-                if self
-                    .bars
-                    .write((o - regs::BAR0) / 4, within, data)
-                    .is_some()
-                {
-                    self.update_slots();
-                }
-            }
-            // The guest may write the line byte (scratch); the pin, Min_Gnt and Max_Lat are
-            // read-only. Neither changes where INTx goes.
-            regs::INTERRUPT_LINE => self.interrupt.write(within, data),
-            regs::ROM | regs::CAPABILITIES => {}
-            regs::COMMAND => {
-                self.device
-                    .region_write(VFIO_PCI_CONFIG_REGION_INDEX, data, offset as u64);
-                if let Some(v) = merge_dword(u32::from(self.command), within, data) {
-                    self.command = v as u16;
-                    self.update_slots();
-                }
-            }
-            _ => self
-                .device
-                .region_write(VFIO_PCI_CONFIG_REGION_INDEX, data, offset as u64),
+        if action.remap {
+            self.update_slots();
         }
     }
 
     fn bar_read(&mut self, space: BarSpace, addr: u64, data: &mut [u8]) -> bool {
-        let Some((index, offset)) = self.find_bar(space, addr, data.len()) else {
+        let Some((index, offset)) = self.config.find_bar(space, addr, data.len()) else {
             return false;
         };
         data.fill(0xff);
@@ -596,7 +538,7 @@ impl PciDevice for VfioPciDevice {
     }
 
     fn bar_write(&mut self, space: BarSpace, addr: u64, data: &[u8]) -> bool {
-        let Some((index, offset)) = self.find_bar(space, addr, data.len()) else {
+        let Some((index, offset)) = self.config.find_bar(space, addr, data.len()) else {
             return false;
         };
         self.device

@@ -13,6 +13,7 @@ mod bar;
 mod config_io;
 mod host_bridge;
 mod interrupt;
+mod passthrough;
 
 use std::sync::{Arc, Mutex};
 
@@ -20,6 +21,7 @@ pub use bar::{Bar, BarError, BarKind, BarRegs, BAR_COUNT};
 pub use config_io::{PciConfigIo, PCI_CONFIG_IO_BASE, PCI_CONFIG_IO_LEN};
 pub use host_bridge::HostBridge;
 pub use interrupt::{InterruptRegs, NO_INTERRUPT_LINE};
+pub use passthrough::{PassthroughConfig, WriteAction};
 
 use crate::bus::{lock, BusDevice};
 
