@@ -118,11 +118,12 @@ impl VirtioFs {
     }
 
     /// Serves the available chains of `queue` (at most one queue's worth per call). The first
-    /// call on a thread drops that thread's capabilities to make device nodes, file
-    /// capabilities and kept set-ID bits (see [`policy`]).
+    /// call on a thread gives the thread a umask of its own and drops its capabilities to make
+    /// device nodes, file capabilities and kept set-ID bits (see
+    /// [`policy::confine_serving_thread`]).
     pub fn process_queue(&mut self, queue: usize) {
         if let Err(e) = policy::confine_serving_thread() {
-            log::warn!("virtio-fs: cannot drop the serving thread's capabilities: {e}");
+            log::warn!("virtio-fs: {e}");
         }
         let (server, stats) = (&self.server, &mut self.stats);
         self.state.serve_queue(queue, |mem, chain| {

@@ -25,7 +25,8 @@
 //! The passthrough runs as host root, so what the guest creates is a real host file: [`policy`]
 //! sits between the server and the passthrough and refuses device nodes (the overlayfs whiteout
 //! excepted), set-user-ID and set-group-ID files and file capabilities with `EPERM`, and the
-//! thread that serves the requests gives up `CAP_MKNOD`, `CAP_SETFCAP` and `CAP_FSETID`.
+//! thread that serves the requests gives up `CAP_MKNOD`, `CAP_SETFCAP` and `CAP_FSETID` and takes
+//! a umask of its own (the passthrough clears the umask at the guest's INIT).
 //!
 //! Files: [`device`] (the [`VirtioDevice`](super::VirtioDevice), queue processing), [`request`]
 //! (chain checks and the hand-off to the FUSE server), [`policy`] (host-side file safety),

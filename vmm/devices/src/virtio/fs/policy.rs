@@ -53,6 +53,14 @@
 //! `umask` can only remove bits. Nothing here changes owners: guest root creates root-owned
 //! files, which is why the bits matter.
 //!
+//! **The umask stays on the serving thread.** The passthrough clears the umask (`umask(0)`)
+//! when the guest sends FUSE INIT, so that it can apply the guest's own umask exactly. A umask
+//! belongs to the whole process unless a thread has a file-system context of its own: the
+//! serving thread takes one first (`unshare(CLONE_FS)` in [`confine_serving_thread`]), or a
+//! guest would clear the umask of the shim (which embeds the VMM) at a moment of its choosing,
+//! and every file and directory the shim made afterwards would be writable by everyone. Found by
+//! the virtio_fs fuzz target (docs/fuzzing.md).
+//!
 //! **The kernel as last line.** The thread that serves the requests gives up `CAP_MKNOD`,
 //! `CAP_SETFCAP` and `CAP_FSETID` from its effective, permitted and inheritable sets
 //! ([`confine_serving_thread`], called by the device before its first request on a thread).
@@ -150,13 +158,37 @@ thread_local! {
     static CONFINED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Drops [`DROPPED_CAPABILITIES`] from the calling thread's effective, permitted and
-/// inheritable sets; only the first call on a thread does anything (and only it can return an
-/// error, so a caller that logs it logs once). Linux capabilities are per thread: other threads
-/// of the process keep theirs. [`HostPolicy`] does not depend on it.
-pub fn confine_serving_thread() -> Result<(), caps::errors::CapsError> {
+/// Why the serving thread could not be confined.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfineError {
+    /// `unshare(CLONE_FS)` failed: the thread shares its umask with the process.
+    #[error("giving the serving thread a umask of its own (unshare CLONE_FS): {0}")]
+    Umask(#[source] io::Error),
+    /// A capability could not be dropped.
+    #[error("dropping the serving thread's capabilities: {0}")]
+    Caps(#[from] caps::errors::CapsError),
+}
+
+/// Confines the calling thread for serving guest requests; only the first call on a thread
+/// does anything (and only it can return an error, so a caller that logs it logs once):
+///
+/// - gives the thread a file-system context of its own (`unshare(CLONE_FS)`: its own umask,
+///   working and root directory). The passthrough clears the umask (`umask(0)`) when the guest
+///   sends FUSE INIT, so that the modes the guest asks for apply as asked; without this that
+///   would clear the umask of the whole process, the shim's or the VMM's, from then on, at a
+///   moment of the guest's choosing;
+/// - drops [`DROPPED_CAPABILITIES`] from the thread's effective, permitted and inheritable
+///   sets. Linux capabilities are per thread: other threads of the process keep theirs.
+///
+/// [`HostPolicy`] does not depend on it.
+pub fn confine_serving_thread() -> Result<(), ConfineError> {
     if CONFINED.with(|c| c.replace(true)) {
         return Ok(());
+    }
+    // SAFETY: unshare(2) with a flag and no pointers; CLONE_FS only detaches this thread's
+    // fs_struct (umask, cwd, root) from the other threads', which nothing here relies on.
+    if unsafe { libc::unshare(libc::CLONE_FS) } != 0 {
+        return Err(ConfineError::Umask(io::Error::last_os_error()));
     }
     // Effective first: the kernel refuses an effective set larger than the permitted one.
     for set in [CapSet::Effective, CapSet::Permitted, CapSet::Inheritable] {

@@ -503,6 +503,32 @@ fn init_lookup_getattr() {
     assert_eq!(g.dev.stats().dropped, 0);
 }
 
+/// The passthrough clears the umask when the guest sends INIT: that must stay on the thread
+/// that serves the guest. On the old code the process's umask was 0 after the first INIT.
+#[test]
+fn the_guests_init_leaves_the_process_umask_alone() {
+    let dir = TestDir::new("umask");
+    let shared = dir.shared.clone();
+    // SAFETY: umask(2) swaps the process's mask and cannot fail; 0o022 is this harness's usual
+    // mask (other tests see no change), and it is read back below.
+    unsafe { libc::umask(0o022) };
+    let host_mode = std::thread::spawn(move || {
+        let mut g = Driver::new(&shared);
+        g.init();
+        // The guest's own umask (0 here) applies exactly: the reason for the passthrough's
+        // umask(0), which must still hold on the serving thread.
+        g.create_with(ROOT_ID, "open", 0o666, (libc::O_RDWR | libc::O_CREAT) as u32, 0)
+            .unwrap();
+        host_mode(&shared.join("open"))
+    })
+    .join()
+    .unwrap();
+    assert_eq!(host_mode & 0o777, 0o666);
+    // SAFETY: as above; puts back the mask it reads.
+    let now = unsafe { libc::umask(0o022) };
+    assert_eq!(now, 0o022, "the guest's INIT changed the process's umask to {now:o}");
+}
+
 #[test]
 fn open_and_read_a_host_file() {
     let dir = TestDir::new("read");
@@ -1567,6 +1593,10 @@ fn the_serving_thread_gives_up_mknod_setfcap_and_fsetid() {
         .unwrap();
     assert_eq!(host_mode(&dir.shared.join("su")) & 0o7777, 0o755);
     // After a request under another uid (setresuid and back) the capabilities stay dropped.
+    // (uid 1000 may create in the share: it was 0777 only while a guest's INIT had cleared the
+    // process's umask, before each serving thread got one of its own.)
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&dir.shared, std::fs::Permissions::from_mode(0o777)).unwrap();
     let (f, o) = g.create(ROOT_ID, "as-1000", 0o644).unwrap();
     g.release(f.nodeid, o.fh);
     let mut h = g.header(Opcode::Mkdir as u32, ROOT_ID, 0);
