@@ -58,8 +58,9 @@ impl Passthrough {
     }
 
     fn hw_dword(hw: &[u8; CONFIG_SPACE_SIZE], reg: usize) -> u32 {
-        hw.get(reg * 4..reg * 4 + 4)
-            .map_or(u32::MAX, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+        hw.get(reg * 4..reg * 4 + 4).map_or(u32::MAX, |b| {
+            u32::from_le_bytes(b.try_into().expect("4 bytes"))
+        })
     }
 }
 
@@ -115,7 +116,10 @@ impl PciDevice for Passthrough {
 
 fn check_inside(config: &PassthroughConfig, index: usize, offset: u64, len: usize) {
     let bar = config.bars().get(index).expect("the BAR exists");
-    assert!(config.decodes(bar.kind), "an access to a BAR that is not decoded");
+    assert!(
+        config.decodes(bar.kind),
+        "an access to a BAR that is not decoded"
+    );
     assert!(
         offset + len as u64 <= bar.size,
         "an access past the end of BAR {index}"
@@ -132,7 +136,11 @@ fn mem32(size: u64, addr: u64) -> Bar {
     }
 }
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(
+    init: {
+        microvm_fuzz::seeds::write_if_asked(microvm_fuzz::seeds::pci_config);
+    },
+    |data: &[u8]| {
     let mut t = Tape::new(data);
     let mut root = PciRoot::new();
     let a = Passthrough::new(
@@ -241,4 +249,5 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
-});
+    }
+);

@@ -9,7 +9,11 @@ use microvm_fuzz::virtq::{queue_size, serve_until_idle, Driver};
 use vmm_devices::virtio::balloon::{Balloon, NUM_QUEUES, QUEUE_SIZE};
 use vmm_devices::virtio::VirtioDevice;
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(
+    init: {
+        microvm_fuzz::seeds::write_if_asked(microvm_fuzz::seeds::virtio_balloon);
+    },
+    |data: &[u8]| {
     let mut t = Tape::new(data);
     let offer = t.bool();
     let ack_mask = t.u64();
@@ -58,4 +62,5 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
-});
+    }
+);

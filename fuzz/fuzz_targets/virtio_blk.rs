@@ -35,7 +35,9 @@ struct Disk {
 impl Disk {
     fn new(dir: &Path, name: &str, sectors: u64, seed: u8) -> Self {
         let len = sectors as usize * SECTOR_SIZE as usize + TAIL;
-        let initial: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(seed) ^ 0x5a).collect();
+        let initial: Vec<u8> = (0..len)
+            .map(|i| (i as u8).wrapping_mul(seed) ^ 0x5a)
+            .collect();
         let path = dir.join(name);
         std::fs::write(&path, &initial).expect("disk file");
         Self { path, initial }
@@ -123,7 +125,11 @@ fn run(dir: &Path, data: &[u8]) {
                         chain.push(Desc::readable(off, t.blob()));
                     }
                 }
-                let status_len = if sel & 0x20 != 0 { u32::from(t.u8()) } else { 1 };
+                let status_len = if sel & 0x20 != 0 {
+                    u32::from(t.u8())
+                } else {
+                    1
+                };
                 chain.push(Desc::writable(0x2000, status_len));
                 driver.add_chain(0, &chain);
                 serve_until_idle(&driver, &mut dev, 0, |d| d.process_queue());
@@ -165,6 +171,7 @@ fn run(dir: &Path, data: &[u8]) {
 
 fuzz_target!(
     init: {
+        microvm_fuzz::seeds::write_if_asked(microvm_fuzz::seeds::virtio_blk);
         scratch::init();
     },
     |data: &[u8]| {

@@ -25,9 +25,9 @@ use vmm_devices::virtio::fs::{VirtioFs, HIPRIO_QUEUE, QUEUE_SIZE, REQUEST_QUEUE}
 use vmm_devices::virtio::VirtioDevice;
 
 /// FUSE opcodes the operations pick from (a raw one with the high bit of the selector).
-const OPCODES: [u32; 38] = [
-    1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 20, 21, 22, 23, 24, 25, 26, 27,
-    28, 29, 30, 34, 35, 36, 38, 39, 42, 43, 44, 45, 46,
+const OPCODES: [u32; 39] = [
+    1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 20, 21, 22, 23, 24, 25, 26, 27, 28,
+    29, 30, 34, 35, 36, 38, 39, 42, 43, 44, 45, 46, 47,
 ];
 const FUSE_INIT: u32 = 26;
 const FUSE_FORGET: u32 = 2;
@@ -224,8 +224,11 @@ fn lay_out(root: &Path) -> (std::path::PathBuf, u64) {
     std::fs::create_dir_all(&outside).expect("outside");
     std::fs::write(outside.join("canary"), b"canary").expect("canary");
     // Explicit modes: this thread serves the guest, whose INIT clears the thread's umask.
-    std::fs::set_permissions(outside.join("canary"), std::fs::Permissions::from_mode(0o644))
-        .expect("chmod");
+    std::fs::set_permissions(
+        outside.join("canary"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .expect("chmod");
     std::fs::write(share.join("f"), b"hello").expect("file");
     std::fs::write(share.join("d/g"), b"in d").expect("file in d");
     let _ = std::os::unix::fs::symlink("../outside/canary", share.join("l"));
@@ -243,7 +246,11 @@ fn check_host(root: &Path, share: &Path, suid_ino: u64) {
         .map(|e| e.expect("entry").file_name())
         .collect();
     top.sort();
-    assert_eq!(top, ["outside", "share"], "something appeared beside the share");
+    assert_eq!(
+        top,
+        ["outside", "share"],
+        "something appeared beside the share"
+    );
     let outside: Vec<_> = std::fs::read_dir(root.join("outside"))
         .expect("outside")
         .map(|e| e.expect("entry").file_name())
@@ -360,6 +367,7 @@ fn run(root: &Path, data: &[u8]) {
 
 fuzz_target!(
     init: {
+        microvm_fuzz::seeds::write_if_asked(microvm_fuzz::seeds::virtio_fs);
         scratch::init();
     },
     |data: &[u8]| {

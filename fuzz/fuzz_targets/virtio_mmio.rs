@@ -159,7 +159,8 @@ fn run(dir: &std::path::Path, data: &[u8]) {
                 let offset = if sel & 0x80 != 0 {
                     u64::from(t.u16())
                 } else {
-                    REGS[usize::from(sel) % REGS.len()] + u64::from(t.u8() % 4) * u64::from(sel & 0x40 != 0)
+                    REGS[usize::from(sel) % REGS.len()]
+                        + u64::from(t.u8() % 4) * u64::from(sel & 0x40 != 0)
                 };
                 let size = [4usize, 4, 1, 2, 8, 3][usize::from(t.u8() % 6)];
                 let bytes = t.bytes(size).to_vec();
@@ -223,6 +224,7 @@ fn run(dir: &std::path::Path, data: &[u8]) {
 
 fuzz_target!(
     init: {
+        microvm_fuzz::seeds::write_if_asked(microvm_fuzz::seeds::virtio_mmio);
         scratch::init();
     },
     |data: &[u8]| {

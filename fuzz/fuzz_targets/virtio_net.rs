@@ -57,7 +57,11 @@ fn drain_host(host: &UnixDatagram) {
     }
 }
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(
+    init: {
+        microvm_fuzz::seeds::write_if_asked(microvm_fuzz::seeds::virtio_net);
+    },
+    |data: &[u8]| {
     let mut t = Tape::new(data);
     let mtu = match t.u16() {
         0 => None,
@@ -156,4 +160,5 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     drain_host(&host);
-});
+    }
+);

@@ -98,7 +98,9 @@ impl Harness {
             if len == 0 {
                 continue;
             }
-            let raw = self.driver.read_mem(DATA_BASE + slot_offset(slot), HDR_SIZE);
+            let raw = self
+                .driver
+                .read_mem(DATA_BASE + slot_offset(slot), HDR_SIZE);
             let hdr = VsockHeader::from_bytes(raw.as_slice().try_into().expect("header"));
             if self.driver.strict && own {
                 assert_eq!(hdr.src_cid, VSOCK_HOST_CID, "RX packet not from the host");
@@ -369,6 +371,7 @@ fn run(dir: &Path, data: &[u8]) {
 
 fuzz_target!(
     init: {
+        microvm_fuzz::seeds::write_if_asked(microvm_fuzz::seeds::virtio_vsock);
         scratch::init();
     },
     |data: &[u8]| {

@@ -122,7 +122,12 @@ mod tests {
     #[test]
     fn a_written_tape_reads_back_and_a_short_one_reads_zeros() {
         let mut w = TapeWriter::new();
-        w.u8(7).u16(0x1234).u32(5).u64(u64::MAX).blob(b"abc").bool(true);
+        w.u8(7)
+            .u16(0x1234)
+            .u32(5)
+            .u64(u64::MAX)
+            .blob(b"abc")
+            .bool(true);
         let data = w.finish();
         let mut t = Tape::new(&data);
         assert_eq!(t.u8(), 7);

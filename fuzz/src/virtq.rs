@@ -254,7 +254,10 @@ impl Driver {
         dq.set_avail_ring_address(Some((q.base + 0x1000) as u32), Some(0));
         dq.set_used_ring_address(Some((q.base + 0x2000) as u32), Some(0));
         dq.set_ready(true);
-        assert!(dq.is_valid(&self.mem), "the driver's queue {i} is not valid");
+        assert!(
+            dq.is_valid(&self.mem),
+            "the driver's queue {i} is not valid"
+        );
         dq
     }
 
@@ -319,7 +322,11 @@ impl Driver {
             let (flags, next_field) = if d.kind & kind::RAW_NEXT != 0 {
                 (d.raw_flags, d.raw_next)
             } else {
-                let mut f = if d.kind & kind::WRITE != 0 { F_WRITE } else { 0 };
+                let mut f = if d.kind & kind::WRITE != 0 {
+                    F_WRITE
+                } else {
+                    0
+                };
                 if d.kind & kind::INDIRECT != 0 {
                     f |= F_INDIRECT;
                 }
@@ -396,11 +403,7 @@ impl Driver {
             return Vec::new();
         };
         let used = qs.base + 0x2000;
-        let idx = u16::from_le_bytes(
-            self.read_mem(used + 2, 2)
-                .try_into()
-                .expect("two bytes"),
-        );
+        let idx = u16::from_le_bytes(self.read_mem(used + 2, 2).try_into().expect("two bytes"));
         let size = qs.size;
         let mut out = Vec::new();
         let strict = self.strict;
@@ -428,7 +431,10 @@ impl Driver {
             );
             let head = id as u16;
             if let Some(chain) = qs.inflight.remove(&head) {
-                let intact = chain.descs.iter().all(|&d| qs.owner[usize::from(d)] == head);
+                let intact = chain
+                    .descs
+                    .iter()
+                    .all(|&d| qs.owner[usize::from(d)] == head);
                 if strict && intact {
                     assert!(
                         u64::from(len) <= chain.writable,

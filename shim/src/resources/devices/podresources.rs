@@ -114,8 +114,9 @@ async fn ask(
     }
 }
 
-/// Every device of the pod's containers, each once, in order.
-fn held_devices(pod: &v1::PodResources) -> Vec<HeldDevice> {
+/// Every device of the pod's containers, each once, in order. Public for the fuzz target of
+/// kubelet's answers (fuzz/fuzz_targets/pod_resources.rs).
+pub fn held_devices(pod: &v1::PodResources) -> Vec<HeldDevice> {
     let mut out: Vec<HeldDevice> = Vec::new();
     let mut push = |d: HeldDevice| {
         if !out.contains(&d) {

@@ -1,0 +1,58 @@
+//! The kernel ELF as the VMM maps it (`vmm::boot_files`): the header, program headers and PVH
+//! note read by `read_elf`, then the segments placed in guest memory by `load_elf_mapped` (whole
+//! pages mapped from the file, the rest copied). The kernel file is the host's (the operator's
+//! or the image's), not the guest's; still, nothing in it may make the VMM panic or write
+//! outside guest memory.
+//!
+//! Checked against linux-loader's loader, which the VMM uses when it copies the kernel instead:
+//! when both accept a file they agree on the entry point, the PVH entry and the end.
+#![no_main]
+
+use std::io::{Seek, SeekFrom, Write};
+
+use libfuzzer_sys::fuzz_target;
+use linux_loader::loader::{Elf, KernelLoader, PvhBootCapability};
+use microvm_fuzz::scratch::{self, Scratch};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vmm::boot_files;
+
+/// Guest RAM for the load: the kernel goes at 1 MiB and up.
+const MEM: usize = 32 << 20;
+const HIMEM_START: u64 = 0x10_0000;
+
+fuzz_target!(
+    init: {
+        microvm_fuzz::seeds::write_if_asked(microvm_fuzz::seeds::boot_elf);
+        scratch::init();
+    },
+    |data: &[u8]| {
+        let dir = Scratch::new("elf");
+        let path = dir.path().join("vmlinux");
+        let mut file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .expect("kernel file");
+        file.write_all(data).expect("write");
+        let Ok(kernel) = boot_files::read_elf(&mut file) else {
+            return;
+        };
+        let mem: GuestMemoryMmap<()> =
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM)]).expect("memory");
+        let mapped = boot_files::load_elf_mapped(&mem, &mut file, &kernel);
+        let theirs: GuestMemoryMmap<()> =
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM)]).expect("memory");
+        file.seek(SeekFrom::Start(0)).expect("seek");
+        let copied = Elf::load(&theirs, None, &mut file, Some(GuestAddress(HIMEM_START)));
+        if let (Ok(_), Ok(r)) = (&mapped, &copied) {
+            assert_eq!(kernel.entry, r.kernel_load.0, "entry point");
+            let pvh = match r.pvh_boot_cap {
+                PvhBootCapability::PvhEntryPresent(a) => Some(a.0),
+                _ => None,
+            };
+            assert_eq!(kernel.pvh_entry, pvh, "PVH entry");
+            assert_eq!(kernel.end, r.kernel_end, "kernel end");
+        }
+    }
+);
