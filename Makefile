@@ -7,7 +7,7 @@ export MICROVM_CACHE
 CARGO ?= cargo
 BUILD := $(CURDIR)/build
 
-.PHONY: all deps kernel initrd guests build test lint demo bench bench-density clean
+.PHONY: all deps kernel initrd guests build test lint demo bench bench-density fuzz clean
 
 all: build kernel initrd guests
 
@@ -44,6 +44,12 @@ bench: deps kernel initrd guests build
 BENCH_DENSITY_MAX ?= 500
 bench-density: deps kernel initrd guests build
 	BENCH_DENSITY_MAX=$(BENCH_DENSITY_MAX) scripts/bench.sh
+
+# Every coverage-guided fuzz target for FUZZ_SECONDS each (docs/fuzzing.md): one line per target
+# with its executions, coverage and crashes. CI runs only the short smoke (scripts/fuzz-smoke.sh).
+FUZZ_SECONDS ?= 600
+fuzz: deps
+	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -28,6 +28,21 @@ echo "== tests"
 # The Sandbox API tests (`shim_sandboxer_*`) need containerd 2.x: they run in the 2.1 section below.
 cargo test --release --workspace --no-fail-fast -- --test-threads=2 --skip shim_sandboxer_ 2>&1 | tee -a "$results" || status_all=1
 
+echo "== fuzz smoke"
+# Every fuzz target over its seed corpus plus a few seconds of fuzzing (docs/fuzzing.md). Each
+# target counts as a test below: passed, or failed when it crashed, hung or ran out of memory;
+# a smoke run that ended before its closing line (the build failed) counts one failure.
+fuzz_log=$(mktemp)
+scripts/fuzz-smoke.sh 2>&1 | tee "$fuzz_log" || status_all=1
+fuzz_line=$(grep -E '^fuzz: [0-9]+ targets, [0-9]+ crashed$' "$fuzz_log" | tail -n 1)
+fuzz_targets=$(awk '{ print $2 }' <<<"$fuzz_line")
+fuzz_crashed=$(awk '{ print $4 }' <<<"$fuzz_line")
+rm -f "$fuzz_log"
+if [ -z "$fuzz_line" ]; then
+  echo "FAILED: the fuzz smoke run ended before running its targets"
+  fuzz_targets=1 fuzz_crashed=1
+fi
+
 echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend)"
 # The same suites against trixie's containerd 1.7 and sid's 2.1, unpacked privately into the
 # cache (scripts/install-containerd.sh; never installed over the system's). They count like the
@@ -188,6 +203,8 @@ if [ $ran_embedded -eq 1 ]; then
   passed=$(( passed + e_passed ))
   failed=$(( failed + e_failed + missing ))
 fi
+passed=$(( passed + fuzz_targets - fuzz_crashed ))
+failed=$(( failed + fuzz_crashed ))
 [ $failed -eq 0 ] || status_all=1
-echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped"
+echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped (with ${fuzz_targets} fuzz targets, ${fuzz_crashed} crashed)"
 exit $status_all
