@@ -214,6 +214,28 @@ async fn assert_answers(cri: &CriClient, ctrd: &PrivateContainerd, id: &str, wit
     );
 }
 
+/// The pod's shim answers containerd (the task service's State, which the shim answers itself
+/// without the guest) within `within`, with `id` running.
+fn assert_shim_answers(ctrd: &PrivateContainerd, id: &str, within: Duration) {
+    let started = Instant::now();
+    let out = ctrd
+        .ctr(&["task", "ls"], within)
+        .unwrap_or_else(|e| panic!("ctr task ls: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && started.elapsed() < within,
+        "ctr task ls: {} after {:?}: {text}{}",
+        out.status,
+        started.elapsed(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with(id) && l.contains("RUNNING")),
+        "{id} is not RUNNING in:\n{text}"
+    );
+}
+
 /// OOM events for another pod's container, the pod's sandbox and made-up ids, sent as fast as
 /// asked, with every GetOomEvent and WaitProcess long poll ended at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -462,8 +484,20 @@ async fn a_console_flood_keeps_the_host_console_log_within_its_bound() {
     let deadline = started + Duration::from_secs(1500);
     let mut largest = 0;
     let mut answered = false;
+    let mut reported = Instant::now();
     let done = loop {
         largest = largest.max(console_bytes(&pod));
+        if reported.elapsed() >= Duration::from_secs(30) {
+            // Progress, for slow runs (the nested lane).
+            eprintln!(
+                "console flood: {:?} in, the host's console log holds {} bytes, the last line \
+                 {:?}",
+                started.elapsed(),
+                console_bytes(&pod),
+                shim::vm::console_tail(&console, 1)
+            );
+            reported = Instant::now();
+        }
         assert!(
             largest <= bound,
             "the console log holds {largest} bytes on the host (bound {bound}) after {:?}",
@@ -474,8 +508,9 @@ async fn a_console_flood_keeps_the_host_console_log_within_its_bound() {
             break line.to_string();
         }
         if !answered && started.elapsed() > Duration::from_secs(5) {
-            // The shim answers during the flood.
-            assert_answers(&cri, &ctrd, &id, Duration::from_secs(120)).await;
+            // The shim answers during the flood (the flooding guest itself may be slow to: its
+            // vCPU is busy with the flood, which is the guest's own business).
+            assert_shim_answers(&ctrd, &id, Duration::from_secs(60));
             answered = true;
         }
         assert!(

@@ -749,6 +749,34 @@ mod tests {
     }
 
     #[test]
+    fn the_console_pump_keeps_a_flood_within_its_bound_and_drains_at_eof() {
+        use std::io::Write;
+        let d = temp_dir("pump");
+        let path = d.join("console.log");
+        let bound = 16 << 10;
+        let mut pump = ConsolePump::start(&path, bound).unwrap();
+        let mut qemu = pump.qemu_end_for_test();
+        pump.release_qemu_end();
+        assert_eq!(pump.qemu_fd(), -1);
+        for i in 0..5000 {
+            writeln!(qemu, "flood line {i:05} xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").unwrap();
+        }
+        // QEMU gone: EOF. Dropping the pump waits for the copy of what was left.
+        drop(qemu);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pump.bytes() < 5000 * 50 && Instant::now() < deadline {
+            thread::sleep(POLL);
+        }
+        drop(pump);
+        let previous = vmm::console_log::previous_path(&path);
+        let size = |p: &Path| fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        assert!(size(&path) + size(&previous) <= bound);
+        let tail = vmm::console_log::tail(&path, 4096, 1);
+        assert!(tail.starts_with("flood line 04999"), "{tail}");
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
     fn commas_in_paths_are_escaped() {
         assert_eq!(qemu_opt_escape(Path::new("/a,b/s")), "/a,,b/s");
     }

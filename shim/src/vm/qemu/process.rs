@@ -191,6 +191,16 @@ impl ConsolePump {
     pub(super) fn bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
     }
+
+    /// A copy of QEMU's end, for a test to write as QEMU would.
+    #[cfg(test)]
+    pub(super) fn qemu_end_for_test(&self) -> UnixStream {
+        self.qemu_end
+            .as_ref()
+            .expect("not released")
+            .try_clone()
+            .expect("dup")
+    }
 }
 
 impl Drop for ConsolePump {
