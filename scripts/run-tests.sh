@@ -10,6 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export MICROVM_KERNEL=${MICROVM_KERNEL:-$PWD/build/vmlinux}
 export MICROVM_INITRD=${MICROVM_INITRD:-$PWD/build/initrd.cpio}
+export MICROVM_HOSTILE_INITRD=${MICROVM_HOSTILE_INITRD:-$PWD/build/initrd-hostile.cpio}
 export MICROVM_GUEST_DIR=${MICROVM_GUEST_DIR:-$PWD/build/guests}
 export MICROVM_BIN_DIR=${MICROVM_BIN_DIR:-$PWD/target/release}
 

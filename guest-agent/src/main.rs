@@ -12,6 +12,8 @@ mod build_process;
 mod check;
 mod containers;
 mod executor;
+#[cfg(feature = "hostile-test-hooks")]
+mod hostile;
 mod init;
 mod logger;
 mod network;
@@ -89,6 +91,8 @@ fn run(pid1: bool) -> anyhow::Result<()> {
     let state_dir =
         PathBuf::from(option(args, "state-dir").unwrap_or_else(|| DEFAULT_STATE_DIR.to_owned()));
     reaper::spawn()?;
+    #[cfg(feature = "hostile-test-hooks")]
+    log::warn!("this agent has HOSTILE TEST HOOKS (guest-agent/src/hostile.rs): tests only");
     let containers = Arc::new(containers::Containers::new(&state_dir));
     stdio::serve(&stdio_address, containers.clone())?;
     let oom = Arc::new(oom::OomEvents::default());
