@@ -85,6 +85,10 @@ pub enum ContainerError {
     Rootfs { path: PathBuf, reason: String },
     #[error("creating the working directory {path} (process.cwd) in the rootfs: {reason}")]
     Cwd { path: PathBuf, reason: String },
+    #[error("privileged container: {0}")]
+    Privileged(#[from] crate::privileged::PrivilegedError),
+    #[error("{0}")]
+    Volume(#[from] crate::volumes::VolumeError),
 }
 
 /// The spec's root must be an existing directory in the guest (the shim's share of it): say which
@@ -250,6 +254,7 @@ pub struct Containers {
     state_root: PathBuf,
     bundle_root: PathBuf,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
+    volumes: crate::volumes::Volumes,
 }
 
 fn check_id(id: &str) -> Result<(), ContainerError> {
@@ -365,6 +370,7 @@ impl Containers {
             state_root: state_dir.join("containers"),
             bundle_root: state_dir.join("bundles"),
             entries: Mutex::new(HashMap::new()),
+            volumes: crate::volumes::Volumes::new(Path::new(crate::volumes::VOLUMES_ROOT)),
         }
     }
 
@@ -480,6 +486,25 @@ impl Containers {
             )
             .map_err(|e| ContainerError::Spec(format!("block device: {e}")))?;
         }
+        if crate::privileged::is_privileged(&value) {
+            let added = crate::privileged::add_guest_devices(&mut value, Path::new("/dev"))?;
+            log::info!("container {id}: privileged: the guest's {added} other devices are given");
+        }
+        self.volumes.attach(id, &mut value)?;
+        let result = self.create_parsed(id, value, stdio);
+        if result.is_err() {
+            self.volumes.release(id);
+        }
+        result
+    }
+
+    /// [`Containers::create`] from the spec the agent rewrote.
+    fn create_parsed(
+        &self,
+        id: &str,
+        value: serde_json::Value,
+        stdio: StdioRequest,
+    ) -> Result<u32, ContainerError> {
         let mut spec: Spec =
             serde_json::from_value(value).map_err(|source| ContainerError::Json {
                 what: "OCI spec",
@@ -487,6 +512,13 @@ impl Containers {
             })?;
         log::info!("container {id}: creating");
         self.rewrite_spec(id, &mut spec)?;
+        if let Some(caps) = spec
+            .process()
+            .as_ref()
+            .and_then(|p| p.capabilities().as_ref())
+        {
+            crate::privileged::check_capabilities(caps, crate::privileged::last_cap()?)?;
+        }
         check_rootfs(&spec)?;
         log::debug!("container {id}: rootfs present");
         ensure_cwd(&spec)?;
@@ -891,6 +923,7 @@ impl Containers {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
+        self.volumes.release(id);
         Ok(())
     }
 
