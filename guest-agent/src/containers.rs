@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use agent_protocol::stdio::valid_id;
 use libcontainer::container::Container;
-use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, LinuxSeccomp, Process, Spec};
+use oci_spec::runtime::{
+    LinuxDeviceCgroup, LinuxNamespaceType, LinuxResources, LinuxSeccomp, Process, Spec,
+};
 
 use crate::build_process::{self, BuildKind, BuildRequest};
 use crate::executor::ExecSeccomp;
@@ -236,6 +238,8 @@ struct Entry {
     bundle: PathBuf,
     /// The container's seccomp filter, for its execs.
     seccomp: Option<LinuxSeccomp>,
+    /// The container's device rules as created (with the guest's numbers), for its updates.
+    device_rules: Option<Vec<LinuxDeviceCgroup>>,
 }
 
 /// Cgroup v2 figures of one container.
@@ -610,6 +614,11 @@ impl Containers {
             execs: Mutex::new(HashMap::new()),
             bundle: bundle.to_owned(),
             seccomp: spec.linux().as_ref().and_then(|l| l.seccomp().clone()),
+            device_rules: spec
+                .linux()
+                .as_ref()
+                .and_then(|l| l.resources().as_ref())
+                .and_then(|r| r.devices().clone()),
         });
         self.entries
             .lock()
@@ -835,13 +844,18 @@ impl Containers {
         Ok(read_stats(&cgroup_dir(id)))
     }
 
+    /// Applies `resources_json` (OCI `LinuxResources`) to container `id`'s cgroup. The device
+    /// rules stay the container's own: an update cannot change them through CRI, and the ones
+    /// containerd sends name the host's numbers (its spec's), where the container's have the
+    /// guest's; applying those would take the container's disks away.
     pub fn update(&self, id: &str, resources_json: &[u8]) -> Result<(), ContainerError> {
-        self.entry(id)?;
-        let resources: LinuxResources =
+        let entry = self.entry(id)?;
+        let mut resources: LinuxResources =
             serde_json::from_slice(resources_json).map_err(|source| ContainerError::Json {
                 what: "OCI resources",
                 source,
             })?;
+        resources.set_devices(entry.device_rules.clone());
         use libcgroups::common::CgroupManager;
         let manager = libcgroups::common::create_cgroup_manager(libcgroups::common::CgroupConfig {
             cgroup_path: PathBuf::from(format!("{CGROUP_PARENT}/{id}")),

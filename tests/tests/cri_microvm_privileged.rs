@@ -376,6 +376,8 @@ async fn a_privileged_container_gets_the_guests_devices_and_none_of_the_hosts() 
     }
     assert!(lines(&out, "tmpfs").is_empty(), "{all}");
     assert!(lines(&out, "kmsg").is_empty(), "{all}");
+    // Its device rules hold in the guest: the node it made of /dev/kmsg cannot be opened.
+    assert!(lines(&out, "mknod").is_empty(), "{all}");
     assert!(!all.contains("held-by-the-pod!"), "{all}");
     cri.remove_container(&exited.id).await.unwrap();
 
@@ -403,6 +405,71 @@ async fn a_privileged_container_gets_the_guests_devices_and_none_of_the_hosts() 
     // The pod's disk was written by nobody; the stranger was never touched.
     assert_eq!(held.head(16), b"held-by-the-pod!");
     assert_eq!(stranger.head(16), b"host-only-disk!!");
+}
+
+/// The guest enforces a container's device rules (its cgroup's device program): a container
+/// that is not privileged uses its own disk but not a node it makes of a device it was not given;
+/// a privileged one uses every device. An UpdateContainerResources, whose device rules containerd
+/// sends as its spec has them (the host's numbers), takes neither away: the guest keeps each
+/// container's own rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_rules_hold_in_the_guest_and_an_update_keeps_them() {
+    use k8s_cri::v1::LinuxContainerResources;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let held = LoopDevice::new(dir.path(), "held", b"held-by-the-pod!");
+    let cdi = dir.path().join("cdi");
+    write_cdi(&cdi, RESOURCE, &[("d0", "/dev/xvda", &held, "rw")]);
+    let server =
+        PodResourcesServer::start(&dir.path().join("kubelet.sock"), GetSupport::Get).unwrap();
+    server.add_pod(NAMESPACE, "device-rules", &[(RESOURCE, &["d0"])]);
+    let config = config(dir.path(), Some((server.socket(), &cdi)));
+    let (ctrd, cri) = start_ctrd(&config).await;
+    let pod = run_privileged_pod(&ctrd, &cri, "device-rules").await;
+    let mut ids = Vec::new();
+    for (name, privileged) in [("plain", false), ("privileged", true)] {
+        let mut c = container(name, "sleep 3600", privileged);
+        c.devices = vec![device("/dev/xvda", &held.path(), "rwm")];
+        let id = cri
+            .create_container(&pod, c)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        cri.start_container(&id)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        ids.push(id);
+    }
+    // Its disk, and a node of the guest's kernel log it makes itself.
+    let probe = "dd if=/dev/xvda bs=16 count=1 2>/dev/null; echo; \
+                 [ -e /dev/made ] || mknod /dev/made c 1 11; \
+                 if head -c 1 /dev/made > /dev/null; then echo made-OPENED; else echo made-denied; fi";
+    let check = |when: &'static str| {
+        let (cri, ids) = (cri.clone(), ids.clone());
+        async move {
+            for (id, made) in ids.iter().zip(["made-denied", "made-OPENED"]) {
+                let out = cri.exec_sync(id, &["sh", "-c", probe], 60).await.unwrap();
+                assert_eq!(
+                    out.stdout,
+                    format!("held-by-the-pod!\n{made}\n"),
+                    "{when}, container {id}: {out:?}"
+                );
+            }
+        }
+    };
+    check("after the start").await;
+    for id in &ids {
+        cri.update_container_resources(
+            id,
+            LinuxContainerResources {
+                memory_limit_in_bytes: 200 << 20,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    }
+    check("after an update").await;
+    remove_pod(&ctrd, &cri, &pod).await;
 }
 
 /// `mount(8)` with `args`, panicking with its stderr on failure.
