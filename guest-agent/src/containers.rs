@@ -305,6 +305,41 @@ fn rootfs_propagation(value: &str) -> Result<&'static str, ContainerError> {
     }
 }
 
+/// libcgroups raises RLIMIT_MEMLOCK to 128 MiB (soft and hard) in libcontainer's intermediate
+/// process before it loads a container's device program, and the container's init, forked from
+/// there, inherits it (runc's init keeps runc's own; the container's execs keep the agent's).
+/// Unless the spec sets RLIMIT_MEMLOCK itself, the init (waiting for Start, its program not yet
+/// run) gets the agent's limit back.
+fn restore_memlock(pid: libc::pid_t, spec: &Spec) -> Result<(), ContainerError> {
+    use oci_spec::runtime::PosixRlimitType;
+    let set_by_spec = spec
+        .process()
+        .as_ref()
+        .and_then(|p| p.rlimits().as_ref())
+        .is_some_and(|r| r.iter().any(|l| l.typ() == PosixRlimitType::RlimitMemlock));
+    if set_by_spec {
+        return Ok(());
+    }
+    let mut own = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit(2) writes one rlimit into `own`, which lives for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut own) } != 0 {
+        return Err(io_err("reading the agent's RLIMIT_MEMLOCK")(
+            io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: prlimit(2) reads `own`, alive for the call, and writes nothing back. `pid` is the
+    // container's init, which the caller holds the reaper's lock for: not reaped, not reused.
+    if unsafe { libc::prlimit(pid, libc::RLIMIT_MEMLOCK, &own, std::ptr::null_mut()) } != 0 {
+        return Err(io_err("setting the container init's RLIMIT_MEMLOCK")(
+            io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
 /// Binds a console socket, runs `build`, then receives the pty master libcontainer's init sends.
 fn with_console<T>(
     dir: &Path,
@@ -583,7 +618,10 @@ impl Containers {
                     }
                 })?;
                 table.insert(pid, exit.clone());
+                // Under the reaper's lock: the pid cannot be reaped and reused meanwhile.
+                let restored = restore_memlock(pid, spec);
                 drop(table);
+                restored?;
                 let container = Container::load(self.state_root.join(id)).map_err(|source| {
                     ContainerError::Runtime {
                         what: "loading the created container's state",
