@@ -33,8 +33,8 @@ esac
 marker='HOSTILE TEST HOOKS'
 
 # --target keeps build scripts dynamic while the agent itself is linked statically (glibc);
-# libseccomp (for the containers' seccomp filters) is linked statically from Debian's
-# libseccomp-dev.
+# libseccomp (the containers' seccomp filters; Debian's libseccomp-dev) and libbpf's libelf and
+# zlib (the containers' device cgroup; libelf-dev, zlib1g-dev) are linked statically.
 (cd "$repo" && RUSTFLAGS='-C target-feature=+crt-static -C strip=symbols' \
   LIBSECCOMP_LINK_TYPE=static LIBSECCOMP_LIB_PATH=${LIBSECCOMP_LIB_PATH:-/usr/lib/x86_64-linux-gnu} \
   CARGO_TARGET_DIR=$target_dir \

@@ -37,7 +37,7 @@ echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend)"
 # pods as for ours, and kubelet's retry removes the pod: the tests retry as kubelet does).
 # 2.1 also runs cri_microvm_sandbox_api: its pods go through the shim's Sandbox API
 # (`sandboxer = "shim"`, a 2.x key; docs/testing-containerd.md).
-pod_suites=cri_microvm,cri_microvm_exec,cri_microvm_net,cri_microvm_cgroup,cri_microvm_devices,cri_harness_cleanup,cri_runc
+pod_suites=cri_microvm,cri_microvm_exec,cri_microvm_net,cri_microvm_cgroup,cri_microvm_devices,cri_microvm_privileged,cri_harness_cleanup,cri_runc
 for version in trixie:$pod_suites sid:$pod_suites,cri_microvm_sandbox_api; do
   suite=${version%%:*}
   tests=${version#*:}
@@ -54,7 +54,7 @@ done
 echo "== linux guests on the embedded vmm"
 # The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
 # name. The first two are #[ignore]d in the plain run (counted here, where they run).
-embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_sandbox_api cri_microvm_fs_policy)
+embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_vfio=$(grep -c '^#\[ignore' tests/tests/kvm_vfio_passthrough.rs || true)
 n_linux=$(( n_linux + n_vfio ))

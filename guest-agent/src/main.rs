@@ -20,12 +20,14 @@ mod network;
 mod oom;
 mod pod_namespace;
 mod power;
+mod privileged;
 mod reaper;
 mod runtime_log;
 mod server;
 mod service;
 mod stdio;
 mod sysctl;
+mod volumes;
 
 use std::io::Write;
 use std::path::PathBuf;
