@@ -70,7 +70,22 @@ if [ -s "$lane/writable" ]; then
   mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 writable "$dir" || fail "mount $dir"
 fi
 
-say "ready ($(uname -r), $(nproc) vCPU, $(awk '/MemTotal/ { printf "%d MiB", $2 / 1024 }' /proc/meminfo))"
+kvm_params=$(cd /sys/module/kvm_amd/parameters && for p in nested vgif vnmi avic vls pause_filter_count; do
+  [ -r "$p" ] && printf ' %s=%s' "$p" "$(cat "$p")"; done)
+say "ready ($(uname -r), $(nproc) vCPU, $(awk '/MemTotal/ { printf "%d MiB", $2 / 1024 }' /proc/meminfo), kvm_amd$kvm_params)"
+# The heartbeat: a counter written into the lane share every 5 s by this shell loop in L1's user
+# space. The host (run-in-l1.sh) watches it: when it stops, L1 no longer runs its own processes
+# (frozen, or its CPU held by a nested guest it never gets back), whatever the command was doing,
+# and the host ends L1 from outside, since nothing inside it runs any more to do so.
+(
+  n=0
+  while :; do
+    n=$(( n + 1 ))
+    echo "$n" > "$lane/heartbeat"
+    sleep 5
+  done
+) &
+heartbeat=$!
 # PID 1 reaps every orphan (bash's SIGCHLD handling waits for any child) while the command runs.
 bash "$lane/command" < /dev/null &
 command_pid=$!
@@ -89,7 +104,7 @@ deadline=$(cat "$lane/deadline")
 watchdog=$!
 wait $command_pid
 status=$?
-kill "$watchdog" 2>/dev/null
+kill "$watchdog" "$heartbeat" 2>/dev/null
 [ -f "$lane/timed-out" ] && status=124
 echo "$status" > "$lane/status"
 dmesg > "$lane/dmesg" 2>/dev/null
