@@ -44,9 +44,16 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 lane "$lane" || fail "
 stty -F /dev/console -onlcr 2>/dev/null
 
 # kvm_amd with nested=1: SVM emulated by QEMU (TCG) with nested paging; our VMM runs on it.
+# vgif=0: KVM does not hand the guest's global interrupt flag to the CPU's virtual GIF. With it
+# (kvm_amd's default where the CPU offers vGIF, as QEMU's does), TCG's SVM emulation now and then
+# leaves L1 unable to take its own interrupts, and L1 freezes or stalls (docs/nested-lane.md,
+# "When L1 gets stuck": measured, with and without). `kvm_amd.vgif=1` on L1's command line
+# (run-in-l1.sh's MICROVM_LANE_APPEND) brings the old setting back, for measuring it.
 # overlay: containerd's overlayfs snapshotter. bridge, veth: the CNI bridge plugin. tun: tap
 # devices. Anything else is loaded on demand (the kernel calls /sbin/modprobe on this root).
-for m in "kvm_amd nested=1" overlay bridge veth tun; do
+kvm_amd="kvm_amd nested=1"
+grep -q 'kvm_amd\.vgif=' /proc/cmdline || kvm_amd="$kvm_amd vgif=0"
+for m in "$kvm_amd" overlay bridge veth tun; do
   # shellcheck disable=SC2086
   modprobe $m || fail "modprobe $m"
 done
