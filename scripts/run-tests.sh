@@ -101,6 +101,7 @@ lane_containerd() {
 
 ran_embedded=0
 skipped_embedded=0
+lane_summary=
 if [ $check -eq 0 ]; then
   echo "-- directly on this host's KVM"
   # VFIO passthrough needs a device bound to vfio-pci behind an IOMMU: the lane makes one (edu);
@@ -115,23 +116,11 @@ if [ $check -eq 0 ]; then
 elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
   mapfile -t exes < <(executables | lane_containerd)
-  run_lane() {
-    # --vfio: L1 gets an emulated IOMMU and QEMU's edu device for kvm_vfio_passthrough.
-    scripts/lane/run-in-l1.sh --vfio --timeout "${MICROVM_LANE_TIMEOUT:-2700}" -- \
-      scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded"
-  }
-  run_lane
-  lane_status=$?   # run-in-l1's status: with pipefail, tee's 0 does not hide it
-  if [ "$lane_status" -eq 124 ] || [ "$lane_status" -eq 125 ]; then
-    # L1 itself froze or died (timers stop: even its own watchdogs never fired). Seen rarely
-    # with TCG's SVM emulation (design.md 3b). run-in-l1's freeze watch ends a frozen L1 after
-    # about two minutes (with its vCPU state printed) unless an NMI revives it. Said here, and
-    # only the second run counts.
-    echo "RETRY: the nested lane's L1 ended without finishing (exit $lane_status); running the lane once more in a fresh L1"
-    run_lane
-    lane_status=$?
-  fi
-  [ "$lane_status" -eq 0 ] || status_all=1
+  # Each binary in its own L1 (--vfio: an emulated IOMMU and QEMU's edu device for the VFIO
+  # tests); one whose L1 got stuck runs again in a fresh one, said with a RETRY line; the lane's
+  # boots, freezes, stalls and retries are counted in its last line, repeated at the end below.
+  scripts/lane/run-lane.sh "${exes[@]}" 2>&1 | tee "$embedded" || status_all=1
+  lane_summary=$(grep '^lane: [0-9]* L1 boots' "$embedded" | tail -n1)
   ran_embedded=1
 elif [ $check -eq 2 ]; then
   skipped_embedded=$n_embedded
@@ -190,5 +179,6 @@ if [ $ran_embedded -eq 1 ]; then
   failed=$(( failed + e_failed + missing ))
 fi
 [ $failed -eq 0 ] || status_all=1
+if [ -n "$lane_summary" ]; then echo "$lane_summary"; fi
 echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped"
 exit $status_all
