@@ -107,7 +107,7 @@ fn run(pid1: bool) -> anyhow::Result<()> {
     writeln!(stdout, "{ready}").context("printing the ready line")?;
     stdout.flush().context("printing the ready line")?;
     drop(stdout);
-    // The shim waits for this event (design.md 4a), not for the console line.
+    // The shim waits for this event, not for the console line.
     if let Err(e) = server::announce_ready(&address, &ready) {
         log::warn!(
             "telling the host the agent is ready (vsock port {}): {e}",

@@ -93,6 +93,16 @@ for arg in "$@"; do
         args+=(--skip a_vfio_device_the_pod_holds_is_cold_plugged_and_seen_in_the_container)
       fi
       ;;
+    # In L1 its console flood (1.5 MiB through the UART of a guest that L1 itself emulates)
+    # outlasts the suite's bound; the embedded VMM's console bound is tested on /dev/kvm by
+    # vmm/tests/kvm_console.rs. run-tests.sh counts it skipped, saying so.
+    cri_microvm_hostile_agent)
+      args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm)
+      if [ -n "${MICROVM_IN_LANE:-}" ]; then
+        echo "embedded-vmm-tests: in the lane, cri_microvm_hostile_agent's console flood test does not run"
+        args+=(--skip a_console_flood_keeps_the_host_console_log_within_its_bound)
+      fi
+      ;;
     *) args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
   esac
   env+=("${containerd[@]}")

@@ -199,7 +199,7 @@ watch_l1() {
 }
 
 # One L1 vCPU: with two, TCG's SVM emulation sometimes delivers an interrupt right after VMRUN
-# and guests or L1 crash (design.md 3b).
+# and guests or L1 crash.
 echo "run-in-l1: booting L1 ($(cat "$image/package"), ${memory_mib} MiB, 1 vCPU, TCG, $("$qemu" --version | head -n1 | sed 's/ emulator version / /'), -cpu $cpu${append:+, $append}) for: $*" >&2
 event boot
 timeout --kill-after=15 "$timeout" "$qemu" "${qemu_data[@]}" \

@@ -3,7 +3,7 @@
 //! sysctls, and an app container's spec rewritten for the guest.
 //!
 //! Rewriting an app container's OCI spec from host paths to guest paths, before it goes to the
-//! agent's CreateContainer (as JSON: the spec is never re-modelled, design.md 4).
+//! agent's CreateContainer (as JSON: the spec is never re-modelled).
 //!
 //! The pod's shared directory (`<state>/shared` on the host) is the guest's
 //! [`GUEST_SHARED_DIR`], exported under [`SHARED_FS_TAG`]. A container's rootfs is mounted on the
@@ -355,7 +355,7 @@ pub const ANN_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
 /// Annotation: the pod's summed memory limit in bytes.
 pub const ANN_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 
-/// The size of a pod's VM from its sandbox annotations (design.md 3): vCPUs from
+/// The size of a pod's VM from its sandbox annotations: vCPUs from
 /// `io.kubernetes.cri.sandbox-cpu-quota` / `-cpu-period` (rounded up, capped at `max_vcpus`),
 /// memory from `io.kubernetes.cri.sandbox-memory` plus the guest's own base (capped at
 /// `max_memory_mib`); the config's defaults where the pod sets no limits.

@@ -1,4 +1,4 @@
-//! The seam between the host side and a VM backend (design.md 4): one [`GuestSpec`] says what to
+//! The seam between the host side and a VM backend: one [`GuestSpec`] says what to
 //! boot, [`Vm`] is the running VM of either backend (the embedded VMM, the product's default, or
 //! [`qemu`] for hosts whose KVM cannot boot a Linux guest), [`GuestVm`] adds what both share (work
 //! folder, console log, agent socket, the agent's ready event), and a VM's end is typed
@@ -47,8 +47,8 @@ pub const GUEST_CID: u32 = 3;
 /// The hybrid-vsock socket's name in a VM's work folder (both backends).
 pub const VSOCK_UDS_NAME: &str = "vsock.sock";
 
-/// What to boot. Network interfaces and drives join here as fields of their own when they come
-/// (design.md 4c, 4e); each backend turns the spec into its own devices.
+/// What to boot. Network interfaces and drives join here as fields of their own when they come;
+/// each backend turns the spec into its own devices.
 #[derive(Debug, Clone)]
 pub struct GuestSpec {
     /// The guest kernel (uncompressed vmlinux ELF).

@@ -1,4 +1,4 @@
-//! Devices a pod's containers get from device plugins (design.md 4e, docs/devices.md).
+//! Devices a pod's containers get from device plugins (docs/devices.md).
 //!
 //! - At boot ([`cold_plug`]): kubelet's PodResources API ([`podresources`]) says which devices
 //!   the pod holds; CDI specs ([`cdi`]) or a PCI address with an IOMMU group turn each into host

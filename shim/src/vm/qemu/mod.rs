@@ -79,7 +79,7 @@ pub fn default_vhost_vsock_binary() -> PathBuf {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {
     /// KVM where it rests on VMX/SVM (on bare metal, nested, or SVM emulated by QEMU's TCG one
-    /// level down), TCG otherwise: kvm-pvm cannot boot a stock Linux guest (design.md 3b).
+    /// level down), TCG otherwise: kvm-pvm cannot boot a stock Linux guest.
     Auto,
     /// `-accel kvm -cpu host`.
     Kvm,
