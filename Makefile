@@ -7,7 +7,7 @@ export MICROVM_CACHE
 CARGO ?= cargo
 BUILD := $(CURDIR)/build
 
-.PHONY: all deps kernel initrd guests build test lint demo bench bench-density fuzz clean
+.PHONY: all deps kernel initrd initrd-hostile guests build test lint demo bench bench-density fuzz clean
 
 all: build kernel initrd guests
 
@@ -20,6 +20,11 @@ kernel: deps
 initrd: deps
 	guest-agent/build-initrd.sh
 
+# The agent with its HOSTILE TEST HOOKS (guest-agent/src/hostile.rs), for the hostile-agent pod
+# tests only: build/initrd-hostile.cpio, never the product initrd.
+initrd-hostile: deps
+	guest-agent/build-initrd.sh --hostile-test-hooks
+
 guests: deps
 	$(MAKE) -C tests/guests OUT=$(BUILD)/guests
 
@@ -30,7 +35,7 @@ lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
-test: deps kernel initrd guests build
+test: deps kernel initrd initrd-hostile guests build
 	scripts/run-tests.sh
 
 demo: deps kernel initrd guests build

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Unpacks another Debian suite's containerd into the cache outside the repo, for the tests that
-# run the pod suites against it (design.md 3c), and prints the folder holding its binaries.
+# run the pod suites against it, and prints the folder holding its binaries.
 # Never installs anything: the package is fetched with a private apt state (its own lists and
 # sources, the system's keyring) and unpacked with `dpkg -x`.
 #

@@ -13,7 +13,7 @@ packages=(
   containerd runc containernetworking-plugins   # private containerd for the CRI tests (CNI in /usr/lib/cni)
   busybox-static                  # test images
   protobuf-compiler               # k8s-cri client code generation (tests)
-  libseccomp-dev                  # the guest agent's static link
+  libseccomp-dev zlib1g-dev       # the guest agent's static link (seccomp; libbpf's libelf and zlib)
   jq procps iproute2 util-linux   # scripts and leak checks
   kmod                            # the nested lane's L1 image (scripts/lane/build-l1.sh)
 )

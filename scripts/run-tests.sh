@@ -10,12 +10,19 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export MICROVM_KERNEL=${MICROVM_KERNEL:-$PWD/build/vmlinux}
 export MICROVM_INITRD=${MICROVM_INITRD:-$PWD/build/initrd.cpio}
+export MICROVM_HOSTILE_INITRD=${MICROVM_HOSTILE_INITRD:-$PWD/build/initrd-hostile.cpio}
 export MICROVM_GUEST_DIR=${MICROVM_GUEST_DIR:-$PWD/build/guests}
 export MICROVM_BIN_DIR=${MICROVM_BIN_DIR:-$PWD/target/release}
 
 echo "== lint"
 cargo fmt --all -- --check || exit 1
 cargo clippy --release --workspace --all-targets -- -D warnings || exit 1
+
+# What was on the host before the tests began is not theirs to answer for: a stale shim socket
+# or state directory from an earlier run (or another user of the node) is reported as such below,
+# and only what appeared during this run counts as left behind.
+stale_before=$( (ls -A /run/microvm 2>/dev/null | sed 's|^|state directory /run/microvm/|'
+  ls -A /run/containerd/s 2>/dev/null | sed 's|^|stale shim socket /run/containerd/s/|') | sort)
 
 results=$(mktemp)
 embedded=$(mktemp)
@@ -51,7 +58,7 @@ echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend)"
 # pods as for ours, and kubelet's retry removes the pod: the tests retry as kubelet does).
 # 2.1 also runs cri_microvm_sandbox_api: its pods go through the shim's Sandbox API
 # (`sandboxer = "shim"`, a 2.x key; docs/testing-containerd.md).
-pod_suites=cri_microvm,cri_microvm_exec,cri_microvm_net,cri_microvm_cgroup,cri_microvm_devices,cri_harness_cleanup,cri_runc
+pod_suites=cri_microvm,cri_microvm_exec,cri_microvm_net,cri_microvm_cgroup,cri_microvm_devices,cri_microvm_privileged,cri_microvm_share_attack,cri_microvm_fs_policy,cri_microvm_hostile_agent,cri_harness_cleanup,cri_runc
 for version in trixie:$pod_suites sid:$pod_suites,cri_microvm_sandbox_api; do
   suite=${version%%:*}
   tests=${version#*:}
@@ -68,7 +75,7 @@ done
 echo "== linux guests on the embedded vmm"
 # The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
 # name. The first two are #[ignore]d in the plain run (counted here, where they run).
-embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_sandbox_api cri_microvm_fs_policy)
+embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_vfio=$(grep -c '^#\[ignore' tests/tests/kvm_vfio_passthrough.rs || true)
 n_linux=$(( n_linux + n_vfio ))
@@ -115,6 +122,7 @@ lane_containerd() {
 
 ran_embedded=0
 skipped_embedded=0
+lane_summary=
 if [ $check -eq 0 ]; then
   echo "-- directly on this host's KVM"
   # VFIO passthrough needs a device bound to vfio-pci behind an IOMMU: the lane makes one (edu);
@@ -129,23 +137,15 @@ if [ $check -eq 0 ]; then
 elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
   mapfile -t exes < <(executables | lane_containerd)
-  run_lane() {
-    # --vfio: L1 gets an emulated IOMMU and QEMU's edu device for kvm_vfio_passthrough.
-    scripts/lane/run-in-l1.sh --vfio --timeout "${MICROVM_LANE_TIMEOUT:-2700}" -- \
-      scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded"
-  }
-  run_lane
-  lane_status=$?   # run-in-l1's status: with pipefail, tee's 0 does not hide it
-  if [ "$lane_status" -eq 124 ] || [ "$lane_status" -eq 125 ]; then
-    # L1 itself froze or died (timers stop: even its own watchdogs never fired). Seen rarely
-    # with TCG's SVM emulation (design.md 3b). run-in-l1's freeze watch ends a frozen L1 after
-    # about two minutes (with its vCPU state printed) unless an NMI revives it. Said here, and
-    # only the second run counts.
-    echo "RETRY: the nested lane's L1 ended without finishing (exit $lane_status); running the lane once more in a fresh L1"
-    run_lane
-    lane_status=$?
-  fi
-  [ "$lane_status" -eq 0 ] || status_all=1
+  # embedded-vmm-tests.sh leaves out this one test in L1 (it says why there too).
+  n_embedded=$(( n_embedded - 1 ))
+  skipped_embedded=1
+  echo "SKIPPED: cri_microvm_hostile_agent's a_console_flood_keeps_the_host_console_log_within_its_bound in the lane: 1.5 MiB through an emulated UART of a guest that is itself emulated takes longer than the suite's bound; the embedded VMM's console bound is tested on this host's /dev/kvm by vmm/tests/kvm_console.rs, and the flood through CRI on the QEMU backend above"
+  # Each binary in its own L1 (--vfio: an emulated IOMMU and QEMU's edu device for the VFIO
+  # tests); one whose L1 got stuck runs again in a fresh one, said with a RETRY line; the lane's
+  # boots, freezes, stalls and retries are counted in its last line, repeated at the end below.
+  scripts/lane/run-lane.sh "${exes[@]}" 2>&1 | tee "$embedded" || status_all=1
+  lane_summary=$(grep '^lane: [0-9]* L1 boots' "$embedded" | tail -n1)
   ran_embedded=1
 elif [ $check -eq 2 ]; then
   skipped_embedded=$n_embedded
@@ -170,7 +170,7 @@ report_left "processes" "no VM processes left behind" \
   "$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|microvm-agent|containerd-shim|containerd --config /tmp/microvm-ctrd' || true)"
 # What a pod holds on the host beyond its processes: its state directory (/run/microvm/<pod>),
 # mounts under it, and its shim's socket (one nobody listens on any more).
-report_left "pod state" "no pod state directories, mounts or shim sockets left behind" "$(
+left_state=$(
   ls -A /run/microvm 2>/dev/null | sed 's|^|state directory /run/microvm/|'
   awk '$5 ~ "^/run/microvm/" { print "mount " $5 }' /proc/self/mountinfo
   listening=$(ss -xlH 2>/dev/null | awk '{ print $5 }')
@@ -178,7 +178,13 @@ report_left "pod state" "no pod state directories, mounts or shim sockets left b
     [ -S "$s" ] || continue
     grep -qxF "$s" <<<"$listening" || echo "stale shim socket $s"
   done
-)"
+)
+if [ -n "$stale_before" ]; then
+  echo "on the host before the tests began (not counted):"
+  echo "$stale_before"
+  left_state=$(grep -vxF -f <(echo "$stale_before") <<<"$left_state" || true)
+fi
+report_left "pod state" "no pod state directories, mounts or shim sockets left behind" "$left_state"
 
 # One closing line over every cargo test binary. Every ignored test counts as skipped, never as
 # passed: kvm_linux_guest's are ignored in the plain run and counted where they ran on the
@@ -206,5 +212,6 @@ fi
 passed=$(( passed + fuzz_targets - fuzz_crashed ))
 failed=$(( failed + fuzz_crashed ))
 [ $failed -eq 0 ] || status_all=1
+if [ -n "$lane_summary" ]; then echo "$lane_summary"; fi
 echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped (with ${fuzz_targets} fuzz targets, ${fuzz_crashed} crashed)"
 exit $status_all

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use agent_protocol::stdio::valid_id;
 use libcontainer::container::Container;
-use oci_spec::runtime::{LinuxNamespaceType, LinuxResources, LinuxSeccomp, Process, Spec};
+use oci_spec::runtime::{
+    LinuxDeviceCgroup, LinuxNamespaceType, LinuxResources, LinuxSeccomp, Process, Spec,
+};
 
 use crate::build_process::{self, BuildKind, BuildRequest};
 use crate::executor::ExecSeccomp;
@@ -85,6 +87,10 @@ pub enum ContainerError {
     Rootfs { path: PathBuf, reason: String },
     #[error("creating the working directory {path} (process.cwd) in the rootfs: {reason}")]
     Cwd { path: PathBuf, reason: String },
+    #[error("privileged container: {0}")]
+    Privileged(#[from] crate::privileged::PrivilegedError),
+    #[error("{0}")]
+    Volume(#[from] crate::volumes::VolumeError),
 }
 
 /// The spec's root must be an existing directory in the guest (the shim's share of it): say which
@@ -232,6 +238,8 @@ struct Entry {
     bundle: PathBuf,
     /// The container's seccomp filter, for its execs.
     seccomp: Option<LinuxSeccomp>,
+    /// The container's device rules as created (with the guest's numbers), for its updates.
+    device_rules: Option<Vec<LinuxDeviceCgroup>>,
 }
 
 /// Cgroup v2 figures of one container.
@@ -250,6 +258,7 @@ pub struct Containers {
     state_root: PathBuf,
     bundle_root: PathBuf,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
+    volumes: crate::volumes::Volumes,
 }
 
 fn check_id(id: &str) -> Result<(), ContainerError> {
@@ -294,6 +303,41 @@ fn rootfs_propagation(value: &str) -> Result<&'static str, ContainerError> {
              (or their r- forms)"
         ))),
     }
+}
+
+/// libcgroups raises RLIMIT_MEMLOCK to 128 MiB (soft and hard) in libcontainer's intermediate
+/// process before it loads a container's device program, and the container's init, forked from
+/// there, inherits it (runc's init keeps runc's own; the container's execs keep the agent's).
+/// Unless the spec sets RLIMIT_MEMLOCK itself, the init (waiting for Start, its program not yet
+/// run) gets the agent's limit back.
+fn restore_memlock(pid: libc::pid_t, spec: &Spec) -> Result<(), ContainerError> {
+    use oci_spec::runtime::PosixRlimitType;
+    let set_by_spec = spec
+        .process()
+        .as_ref()
+        .and_then(|p| p.rlimits().as_ref())
+        .is_some_and(|r| r.iter().any(|l| l.typ() == PosixRlimitType::RlimitMemlock));
+    if set_by_spec {
+        return Ok(());
+    }
+    let mut own = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit(2) writes one rlimit into `own`, which lives for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut own) } != 0 {
+        return Err(io_err("reading the agent's RLIMIT_MEMLOCK")(
+            io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: prlimit(2) reads `own`, alive for the call, and writes nothing back. `pid` is the
+    // container's init, which the caller holds the reaper's lock for: not reaped, not reused.
+    if unsafe { libc::prlimit(pid, libc::RLIMIT_MEMLOCK, &own, std::ptr::null_mut()) } != 0 {
+        return Err(io_err("setting the container init's RLIMIT_MEMLOCK")(
+            io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
 
 /// Binds a console socket, runs `build`, then receives the pty master libcontainer's init sends.
@@ -365,6 +409,7 @@ impl Containers {
             state_root: state_dir.join("containers"),
             bundle_root: state_dir.join("bundles"),
             entries: Mutex::new(HashMap::new()),
+            volumes: crate::volumes::Volumes::new(Path::new(crate::volumes::VOLUMES_ROOT)),
         }
     }
 
@@ -480,6 +525,25 @@ impl Containers {
             )
             .map_err(|e| ContainerError::Spec(format!("block device: {e}")))?;
         }
+        if crate::privileged::is_privileged(&value) {
+            let added = crate::privileged::add_guest_devices(&mut value, Path::new("/dev"))?;
+            log::info!("container {id}: privileged: the guest's {added} other devices are given");
+        }
+        self.volumes.attach(id, &mut value)?;
+        let result = self.create_parsed(id, value, stdio);
+        if result.is_err() {
+            self.volumes.release(id);
+        }
+        result
+    }
+
+    /// [`Containers::create`] from the spec the agent rewrote.
+    fn create_parsed(
+        &self,
+        id: &str,
+        value: serde_json::Value,
+        stdio: StdioRequest,
+    ) -> Result<u32, ContainerError> {
         let mut spec: Spec =
             serde_json::from_value(value).map_err(|source| ContainerError::Json {
                 what: "OCI spec",
@@ -487,6 +551,13 @@ impl Containers {
             })?;
         log::info!("container {id}: creating");
         self.rewrite_spec(id, &mut spec)?;
+        if let Some(caps) = spec
+            .process()
+            .as_ref()
+            .and_then(|p| p.capabilities().as_ref())
+        {
+            crate::privileged::check_capabilities(caps, crate::privileged::last_cap()?)?;
+        }
         check_rootfs(&spec)?;
         log::debug!("container {id}: rootfs present");
         ensure_cwd(&spec)?;
@@ -547,7 +618,10 @@ impl Containers {
                     }
                 })?;
                 table.insert(pid, exit.clone());
+                // Under the reaper's lock: the pid cannot be reaped and reused meanwhile.
+                let restored = restore_memlock(pid, spec);
                 drop(table);
+                restored?;
                 let container = Container::load(self.state_root.join(id)).map_err(|source| {
                     ContainerError::Runtime {
                         what: "loading the created container's state",
@@ -578,6 +652,11 @@ impl Containers {
             execs: Mutex::new(HashMap::new()),
             bundle: bundle.to_owned(),
             seccomp: spec.linux().as_ref().and_then(|l| l.seccomp().clone()),
+            device_rules: spec
+                .linux()
+                .as_ref()
+                .and_then(|l| l.resources().as_ref())
+                .and_then(|r| r.devices().clone()),
         });
         self.entries
             .lock()
@@ -803,13 +882,18 @@ impl Containers {
         Ok(read_stats(&cgroup_dir(id)))
     }
 
+    /// Applies `resources_json` (OCI `LinuxResources`) to container `id`'s cgroup. The device
+    /// rules stay the container's own: an update cannot change them through CRI, and the ones
+    /// containerd sends name the host's numbers (its spec's), where the container's have the
+    /// guest's; applying those would take the container's disks away.
     pub fn update(&self, id: &str, resources_json: &[u8]) -> Result<(), ContainerError> {
-        self.entry(id)?;
-        let resources: LinuxResources =
+        let entry = self.entry(id)?;
+        let mut resources: LinuxResources =
             serde_json::from_slice(resources_json).map_err(|source| ContainerError::Json {
                 what: "OCI resources",
                 source,
             })?;
+        resources.set_devices(entry.device_rules.clone());
         use libcgroups::common::CgroupManager;
         let manager = libcgroups::common::create_cgroup_manager(libcgroups::common::CgroupConfig {
             cgroup_path: PathBuf::from(format!("{CGROUP_PARENT}/{id}")),
@@ -891,6 +975,7 @@ impl Containers {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
+        self.volumes.release(id);
         Ok(())
     }
 

@@ -103,6 +103,8 @@ impl Agent for AgentService {
         _ctx: &TtrpcContext,
         req: CreateContainerRequest,
     ) -> ttrpc::Result<CreateContainerResponse> {
+        #[cfg(feature = "hostile-test-hooks")]
+        crate::hostile::on_create(&req.container_id, &req.oci_spec_json);
         let pid = self
             .containers
             .create(
@@ -131,6 +133,10 @@ impl Agent for AgentService {
         _ctx: &TtrpcContext,
         req: StartContainerRequest,
     ) -> ttrpc::Result<StartContainerResponse> {
+        #[cfg(feature = "hostile-test-hooks")]
+        if let Some(e) = crate::hostile::start_reply(&req.container_id) {
+            return Err(e);
+        }
         let pid = self
             .containers
             .start(&req.container_id)
@@ -188,6 +194,10 @@ impl Agent for AgentService {
         ctx: &TtrpcContext,
         req: WaitProcessRequest,
     ) -> ttrpc::Result<WaitProcessResponse> {
+        #[cfg(feature = "hostile-test-hooks")]
+        if let Some(reply) = crate::hostile::wait_reply(&req.container_id, &req.exec_id) {
+            return reply;
+        }
         let cell = self
             .containers
             .exit_cell(&req.container_id, &req.exec_id)
@@ -302,6 +312,8 @@ impl Agent for AgentService {
         _ctx: &TtrpcContext,
         req: RemoveContainerRequest,
     ) -> ttrpc::Result<RemoveContainerResponse> {
+        #[cfg(feature = "hostile-test-hooks")]
+        crate::hostile::on_remove(&req.container_id);
         self.oom.check(&req.container_id);
         self.containers
             .remove(&req.container_id)
@@ -361,6 +373,10 @@ impl Agent for AgentService {
         ctx: &TtrpcContext,
         _req: GetOomEventRequest,
     ) -> ttrpc::Result<GetOomEventResponse> {
+        #[cfg(feature = "hostile-test-hooks")]
+        if let Some(reply) = crate::hostile::oom_reply() {
+            return reply;
+        }
         let container_id = self
             .oom
             .next(long_poll(ctx))

@@ -44,9 +44,16 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 lane "$lane" || fail "
 stty -F /dev/console -onlcr 2>/dev/null
 
 # kvm_amd with nested=1: SVM emulated by QEMU (TCG) with nested paging; our VMM runs on it.
+# vgif=0: KVM does not hand the guest's global interrupt flag to the CPU's virtual GIF. With it
+# (kvm_amd's default where the CPU offers vGIF, as QEMU's does), TCG's SVM emulation now and then
+# leaves L1 unable to take its own interrupts, and L1 freezes or stalls (docs/nested-lane.md,
+# "When L1 gets stuck": measured, with and without). `kvm_amd.vgif=1` on L1's command line
+# (run-in-l1.sh's MICROVM_LANE_APPEND) brings the old setting back, for measuring it.
 # overlay: containerd's overlayfs snapshotter. bridge, veth: the CNI bridge plugin. tun: tap
 # devices. Anything else is loaded on demand (the kernel calls /sbin/modprobe on this root).
-for m in "kvm_amd nested=1" overlay bridge veth tun; do
+kvm_amd="kvm_amd nested=1"
+grep -q 'kvm_amd\.vgif=' /proc/cmdline || kvm_amd="$kvm_amd vgif=0"
+for m in "$kvm_amd" overlay bridge veth tun; do
   # shellcheck disable=SC2086
   modprobe $m || fail "modprobe $m"
 done
@@ -70,7 +77,22 @@ if [ -s "$lane/writable" ]; then
   mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 writable "$dir" || fail "mount $dir"
 fi
 
-say "ready ($(uname -r), $(nproc) vCPU, $(awk '/MemTotal/ { printf "%d MiB", $2 / 1024 }' /proc/meminfo))"
+kvm_params=$(cd /sys/module/kvm_amd/parameters && for p in nested vgif vnmi avic vls pause_filter_count; do
+  [ -r "$p" ] && printf ' %s=%s' "$p" "$(cat "$p")"; done)
+say "ready ($(uname -r), $(nproc) vCPU, $(awk '/MemTotal/ { printf "%d MiB", $2 / 1024 }' /proc/meminfo), kvm_amd$kvm_params)"
+# The heartbeat: a counter written into the lane share every 5 s by this shell loop in L1's user
+# space. The host (run-in-l1.sh) watches it: when it stops, L1 no longer runs its own processes
+# (frozen, or its CPU held by a nested guest it never gets back), whatever the command was doing,
+# and the host ends L1 from outside, since nothing inside it runs any more to do so.
+(
+  n=0
+  while :; do
+    n=$(( n + 1 ))
+    echo "$n" > "$lane/heartbeat"
+    sleep 5
+  done
+) &
+heartbeat=$!
 # PID 1 reaps every orphan (bash's SIGCHLD handling waits for any child) while the command runs.
 bash "$lane/command" < /dev/null &
 command_pid=$!
@@ -89,7 +111,7 @@ deadline=$(cat "$lane/deadline")
 watchdog=$!
 wait $command_pid
 status=$?
-kill "$watchdog" 2>/dev/null
+kill "$watchdog" "$heartbeat" 2>/dev/null
 [ -f "$lane/timed-out" ] && status=124
 echo "$status" > "$lane/status"
 dmesg > "$lane/dmesg" 2>/dev/null

@@ -2,7 +2,7 @@
 # Runs one command inside the nested lane's L1 (docs/nested-lane.md) and exits with its status.
 #
 #   scripts/lane/run-in-l1.sh [--memory-mib N] [--timeout SECONDS] [--writable DIR] [--vfio]
-#                             -- CMD [ARG...]
+#                             [--events FILE] -- CMD [ARG...]
 #
 # L1 is Debian's kernel under QEMU's software emulation (TCG, `-M q35 -cpu max -smp 1`), which
 # emulates AMD SVM with nested paging: inside it kvm_amd runs and our embedded VMM boots Linux
@@ -12,12 +12,20 @@
 # PATH; its output streams to stdout. --writable DIR shares DIR read-write at the same path, for
 # results that must outlive L1. --vfio (or MICROVM_LANE_VFIO=1) gives L1 an emulated IOMMU
 # (intel-iommu, `intel_iommu=on iommu=pt`) and QEMU's `edu` PCI device (1234:11e8) for VFIO
-# passthrough tests; scripts/lane/vfio-bind-edu.sh binds it to vfio-pci inside L1.
+# passthrough tests; scripts/lane/vfio-bind-edu.sh binds it to vfio-pci inside L1. --events FILE
+# appends one line per lane event to FILE: `boot`, `frozen`/`stalled` (L1 stuck and killed),
+# `frozen-revived`/`stalled-revived` (stuck, came back after an NMI), `timeout`, `crashed`.
 #
-# Exit status: CMD's; 124 when the timeout (default 3600 s) ended L1, or when L1 froze (QEMU used
-# no CPU for 90 s and an NMI did not wake it: its vCPU state is printed first); 125 when L1 ended
-# without reporting a status (it failed to come up, or crashed: L1's kernel log is printed). L1
-# always powers off; QEMU is killed on timeout, freeze, or when this script is interrupted.
+# Which L1 (for measurements, docs/nested-lane.md): MICROVM_LANE_QEMU (the L0 QEMU binary; by
+# default the one scripts/lane/install-qemu.sh unpacks), MICROVM_LANE_CPU (`-cpu`, default
+# `max`), MICROVM_LANE_APPEND (more words for L1's kernel command line, e.g. `idle=poll` or
+# `kvm_amd.avic=1`: modprobe takes a module's options from there too).
+#
+# Exit status: CMD's; 75 when L1 got stuck (its heartbeat stopped: frozen or stalled, state
+# printed) and was killed: the command did not fail, L1 did, so a caller may run it again in a
+# fresh L1; 124 when the timeout (default 3600 s) ended a live L1; 125 when L1 ended without
+# reporting a status (it failed to come up, or crashed: L1's kernel log is printed). L1 always
+# powers off; QEMU is killed on timeout, when stuck, or when this script is interrupted.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -25,14 +33,18 @@ memory_mib=${MICROVM_LANE_MEMORY_MIB:-8192}
 timeout=${MICROVM_LANE_TIMEOUT:-3600}
 writable=
 vfio=${MICROVM_LANE_VFIO:-0}
+events=
+cpu=${MICROVM_LANE_CPU:-max}
+append=${MICROVM_LANE_APPEND:-}
 
-usage() { echo "usage: $0 [--memory-mib N] [--timeout SECONDS] [--writable DIR] [--vfio] -- CMD [ARG...]" >&2; exit 2; }
+usage() { echo "usage: $0 [--memory-mib N] [--timeout SECONDS] [--writable DIR] [--vfio] [--events FILE] -- CMD [ARG...]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --memory-mib) memory_mib=$2; shift 2 ;;
     --timeout) timeout=$2; shift 2 ;;
     --writable) writable=$(cd "$2" && pwd); shift 2 ;;
     --vfio) vfio=1; shift ;;
+    --events) events=$2; shift 2 ;;
     --) shift; break ;;
     *) usage ;;
   esac
@@ -41,6 +53,12 @@ done
 [ "$(id -u)" -eq 0 ] || { echo "run-in-l1: needs root (9p shares of the host's root)" >&2; exit 2; }
 
 image=$("$here/build-l1.sh")
+qemu=${MICROVM_LANE_QEMU:-qemu-system-x86_64}
+qemu_data=()
+# A QEMU unpacked outside /usr brings its firmware (qboot.rom, option ROMs) beside it.
+if [ -d "$(dirname "$(command -v "$qemu")")/../share/qemu" ]; then
+  qemu_data=(-L "$(cd "$(dirname "$(command -v "$qemu")")/../share/qemu" && pwd)")
+fi
 lane=$(mktemp -d /tmp/microvm-lane.XXXXXX)
 qemu_pid=
 qemu_child=
@@ -98,61 +116,97 @@ if [ "$vfio" = 1 ]; then
   iommu_args=" intel_iommu=on iommu=pt vfio_iommu_type1.allow_unsafe_interrupts=1"
 fi
 
-# QEMU's human monitor on a pair of FIFOs ($lane/monitor.in, .out), for the freeze watch below.
+# QEMU's human monitor on a pair of FIFOs ($lane/monitor.in, .out), for the watch below.
 mkfifo "$lane/monitor.in" "$lane/monitor.out"
 
-# CPU time (clock ticks) QEMU's process has used, all threads.
+# CPU time (clock ticks, 100 a second) QEMU's process has used, all threads.
 cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat" 2>/dev/null; }
 
-# The freeze watch. A rare hang of the lane (docs/nested-lane.md) leaves QEMU using no CPU at all:
-# L1's vCPU sits halted and nothing wakes it, not even L1's own timers and watchdogs. An idle L1
-# still uses ~0.4% CPU for its timers, so 90 s without a single clock tick of CPU is a freeze.
-# The watch prints the vCPU's registers and local APIC (what was it waiting for), sends an NMI
-# (a lost wakeup resumes on it, and the run goes on), and kills QEMU if L1 stays frozen.
-watch_freeze() {
-  local pid=$1 last now still=0 tries=0
+# Appends one event to the caller's events file (--events).
+event() {
+  if [ -n "$events" ]; then echo "$1" >>"$events"; fi
+  return 0
+}
+
+# What the watch prints of a stuck L1: its vCPU's registers (HLT=1: halted; RFL: IF), local APIC
+# (timer mode, vector, counts; IRR/ISR: what is pending), PIC; for a busy vCPU two more register
+# samples a second apart and the instructions at RIP, to tell a spin at one place from a vCPU
+# that moves.
+dump_l1() {
+  local i
+  : >"$lane/monitor.log"
+  printf 'info registers\ninfo lapic\ninfo pic\n' >&7
+  if [ "$1" = stalled ]; then
+    for i in 1 2; do sleep 1; printf 'info registers\n' >&7; done
+    printf 'x/6i $pc\n' >&7
+  fi
+  sleep 3
+  # Without the monitor's echo of the commands (escape sequences) and the FPU/vector registers.
+  sed 's/\r//g' "$lane/monitor.log" | grep -av -e $'\e' -e '^(qemu)' -e '^[YX]MM' -e '^FPR' -e '^DR[0-7]' >&2
+}
+
+# The watch. Stage 2 writes a heartbeat into the lane share every 5 s from a shell loop in L1's
+# user space (l1-stage2.sh). When it has not moved for 90 s (180 s before the first one: L1 boots
+# in 10-40 s), L1 runs none of its own processes any more, so none of its timeouts or watchdogs
+# can fire either, and this watch ends it from the host:
+# - frozen: QEMU used under 5 % of a core meanwhile (an idle but live L1 uses ~0.4 % for its
+#   timers; a frozen one none): L1's vCPU sits halted and nothing wakes it, not even its timer;
+# - stalled: QEMU kept its core busy, yet L1 never ran its processes: its vCPU runs a nested
+#   guest (L2) that L1 never gets the CPU back from.
+# Either way it prints L1's state (dump_l1) and sends an NMI (a lost wakeup resumes on it, and
+# the run goes on, noted); if the heartbeat does not resume (or L1 gets stuck a third time) it
+# kills QEMU: exit 75.
+watch_l1() {
+  local pid=$1 hb last_hb= since=$SECONDS ticks_since now used secs limit=180 kind tries=0
   exec 7<>"$lane/monitor.in"
   cat <"$lane/monitor.out" >>"$lane/monitor.log" &
-  last=$(cpu_ticks "$pid") || return 0
-  while sleep 15; do
+  ticks_since=$(cpu_ticks "$pid") || return 0
+  while sleep 10; do
     now=$(cpu_ticks "$pid") || return 0
-    if [ $(( now - last )) -lt 1 ]; then still=$(( still + 15 )); else still=0; fi
-    last=$now
-    [ "$still" -ge 90 ] || continue
+    hb=$(cat "$lane/heartbeat" 2>/dev/null || true)
+    if [ -n "$hb" ] && [ "$hb" != "$last_hb" ]; then
+      last_hb=$hb since=$SECONDS ticks_since=$now limit=90
+      continue
+    fi
+    # Stage 2 has finished (status written): L1 is powering off, nothing to watch.
+    [ -s "$lane/status" ] && return 0
+    secs=$(( SECONDS - since ))
+    [ "$secs" -ge "$limit" ] || continue
+    used=$(( now - ticks_since ))
+    # Clock ticks are 1/100 s: under 5 % of a core is 5 ticks a second.
+    if [ "$used" -lt $(( secs * 5 )) ]; then kind=frozen; else kind=stalled; fi
     tries=$(( tries + 1 ))
-    echo "run-in-l1: L1 froze: QEMU used no CPU for ${still} s; L1's vCPU and local APIC:" >&2
-    : >"$lane/monitor.log"
-    printf 'info registers\ninfo lapic\ninfo pic\n' >&7
-    sleep 2
-    # Without the monitor's echo of the commands (escape sequences) and the FPU/vector registers.
-    sed 's/\r//g' "$lane/monitor.log" | grep -av -e $'\e' -e '^(qemu)' -e '^[YX]MM' -e '^FPR' -e '^DR[0-7]' >&2
+    echo "run-in-l1: L1 $kind: no heartbeat for ${secs} s, QEMU used $(( used / secs ))% of a core meanwhile; L1's vCPU and local APIC:" >&2
+    dump_l1 "$kind"
     if [ "$tries" -le 2 ]; then
       echo "run-in-l1: sending L1 an NMI (try $tries)" >&2
       printf 'nmi\n' >&7
-      sleep 15
-      now=$(cpu_ticks "$pid") || return 0
-      if [ $(( now - last )) -ge 1 ]; then
-        echo "run-in-l1: L1 woke up after the NMI; the run goes on" >&2
-        echo "$tries" >"$lane/revived"
-        last=$now still=0
+      sleep 20
+      hb=$(cat "$lane/heartbeat" 2>/dev/null || true)
+      if [ -n "$hb" ] && [ "$hb" != "$last_hb" ]; then
+        echo "run-in-l1: L1 came back after the NMI; the run goes on" >&2
+        event "$kind-revived"
+        echo "$kind" >>"$lane/revived"
+        last_hb=$hb since=$SECONDS ticks_since=$(cpu_ticks "$pid") limit=90
         continue
       fi
     fi
-    echo "run-in-l1: L1 stays frozen; killing it" >&2
-    touch "$lane/frozen"
+    echo "run-in-l1: L1 stays $kind; killing it" >&2
+    echo "$kind" >"$lane/stuck"
     kill -KILL "$pid" 2>/dev/null
     return 0
   done
 }
 
 # One L1 vCPU: with two, TCG's SVM emulation sometimes delivers an interrupt right after VMRUN
-# and guests or L1 crash (design.md 3b).
-echo "run-in-l1: booting L1 ($(cat "$image/package"), ${memory_mib} MiB, 1 vCPU, TCG) for: $*" >&2
-timeout --kill-after=15 "$timeout" qemu-system-x86_64 \
-  -accel tcg -M q35 -cpu max -smp 1 -m "${memory_mib}M" \
+# and guests or L1 crash.
+echo "run-in-l1: booting L1 ($(cat "$image/package"), ${memory_mib} MiB, 1 vCPU, TCG, $("$qemu" --version | head -n1 | sed 's/ emulator version / /'), -cpu $cpu${append:+, $append}) for: $*" >&2
+event boot
+timeout --kill-after=15 "$timeout" "$qemu" "${qemu_data[@]}" \
+  -accel tcg -M q35 -cpu "$cpu" -smp 1 -m "${memory_mib}M" \
   -nodefaults -no-user-config -nographic -no-reboot -bios qboot.rom \
   -kernel "$image/vmlinuz" -initrd "$image/initrd.cpio.gz" \
-  -append "console=ttyS0 loglevel=1 edd=off panic=-1$iommu_args microvm.lane.image=$image microvm.lane.stage2=$here/l1-stage2.sh" \
+  -append "console=ttyS0 loglevel=1 edd=off panic=-1$iommu_args${append:+ $append} microvm.lane.image=$image microvm.lane.stage2=$here/l1-stage2.sh" \
   -chardev stdio,id=console,signal=off -serial chardev:console \
   -chardev "pipe,id=monitor,path=$lane/monitor" -mon chardev=monitor,mode=readline \
   "${iommu[@]}" "${fsdevs[@]}" < /dev/null &
@@ -165,7 +219,7 @@ for _ in $(seq 50); do
 done
 qemu_child=$child
 if [ -n "$child" ]; then
-  watch_freeze "$child" &
+  watch_l1 "$child" &
   watch_pid=$!
 fi
 set +e
@@ -181,18 +235,21 @@ if [ -n "$watch_pid" ]; then
 fi
 
 if [ -s "$lane/status" ]; then
-  [ -s "$lane/revived" ] && echo "run-in-l1: note: L1 froze during this run and resumed after an NMI" >&2
+  [ -s "$lane/revived" ] && echo "run-in-l1: note: L1 got stuck during this run ($(sort "$lane/revived" | uniq -c | xargs)) and came back after an NMI" >&2
   status=$(cat "$lane/status")
+  [ "$status" -eq 124 ] && event timeout
   exit "$status"
 fi
-if [ -e "$lane/frozen" ]; then
-  echo "run-in-l1: L1 froze and was killed (see its vCPU state above)" >&2
-  [ -s "$lane/dmesg" ] && tail -n 40 "$lane/dmesg" >&2
-  exit 124
+if [ -s "$lane/stuck" ]; then
+  kind=$(cat "$lane/stuck")
+  echo "run-in-l1: L1 $kind and was killed (its vCPU state is above); the command did not finish" >&2
+  event "$kind"
+  exit 75
 fi
 if [ "$qemu_status" -eq 124 ] || [ "$qemu_status" -eq 137 ]; then
   echo "run-in-l1: L1 did not finish within ${timeout} s; it was killed" >&2
   [ -s "$lane/dmesg" ] && tail -n 40 "$lane/dmesg" >&2
+  event timeout
   exit 124
 fi
 echo "run-in-l1: L1 ended (QEMU exit $qemu_status) without the command's exit status" >&2
@@ -200,4 +257,5 @@ if [ -s "$lane/dmesg" ]; then
   echo "run-in-l1: the end of L1's kernel log:" >&2
   tail -n 40 "$lane/dmesg" >&2
 fi
+event crashed
 exit 125

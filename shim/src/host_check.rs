@@ -3,7 +3,7 @@
 //!
 //! The answer matters because some hosts expose a `/dev/kvm` that cannot boot a stock Linux
 //! guest: kvm-pvm (a software nested hypervisor) runs guest code but only boots guest kernels
-//! built with PVM guest support (design.md 3b). There the product falls back to the QEMU backend
+//! built with PVM guest support. There the product falls back to the QEMU backend
 //! or fails fast with the reason, instead of hanging in a guest that never comes up.
 //! [`choose_backend`] is the one place that turns this answer into a backend for
 //! `hypervisor = "auto"` (the shim's default) and `microvm boot --backend auto`.
@@ -25,7 +25,7 @@ pub enum KvmKind {
     /// e.g. a cloud VM with nested virtualization turned on): the CPU has the `hypervisor` flag.
     Nested,
     /// AMD SVM emulated in software by QEMU's TCG: this host is a VM of `qemu-system-x86_64
-    /// -accel tcg -cpu max` (the nested lane of design.md 3b). Boots stock Linux guests, with
+    /// -accel tcg -cpu max` (the nested lane, docs/nested-lane.md). Boots stock Linux guests, with
     /// every guest instruction emulated.
     SvmEmulatedByQemuTcg,
     /// kvm-pvm: the Pagetable-based Virtual Machine, a software nested hypervisor.
@@ -434,7 +434,7 @@ pub fn check_kernel(kind: KvmKind, kernel: &Path) -> KernelReport {
             pvm,
             true,
             "QEMU's TCG emulation of SVM boots a stock Linux guest, slowly: every guest \
-             instruction is emulated (design.md 3b)"
+             instruction is emulated"
                 .to_string(),
         ),
         KvmKind::Pvm => match pvm {
@@ -447,7 +447,7 @@ pub fn check_kernel(kind: KvmKind, kernel: &Path) -> KernelReport {
                 pvm,
                 false,
                 "this host's KVM is kvm-pvm, which boots only guest kernels built with PVM guest \
-                 support (CONFIG_PVM_GUEST); this kernel has none (design.md 3b)"
+                 support (CONFIG_PVM_GUEST); this kernel has none"
                     .to_string(),
             ),
             None => report(
@@ -676,7 +676,7 @@ mod tests {
         assert_eq!(
             r.reason,
             "QEMU's TCG emulation of SVM boots a stock Linux guest, slowly: every guest \
-             instruction is emulated (design.md 3b)"
+             instruction is emulated"
         );
         fs::remove_dir_all(&d).unwrap();
     }

@@ -316,6 +316,15 @@ impl StateDir {
         Ok(report)
     }
 
+    /// Kills the recorded VM processes and detaches what is mounted under the directory, but
+    /// keeps the directory and its undo records: for a release whose network or cgroup step
+    /// failed, so that the share's mounts are gone at once and a later `<shim> delete` still
+    /// finds what it must retry.
+    pub fn detach_mounts(&self) -> Result<Vec<PathBuf>, StateError> {
+        self.kill_vm_processes();
+        self.unmount_all()
+    }
+
     /// Detaches every mount the kernel's mount table shows under the directory, shallowest
     /// first (the pod's share takes every container's mounts with it), each reached from the
     /// directory's descriptor without symlinks and checked to be a mount's root. Returns the
@@ -539,6 +548,25 @@ mod tests {
         assert!(!dir.path().exists());
         // Twice is harmless.
         assert_eq!(dir.cleanup().unwrap(), CleanupReport::default());
+    }
+
+    #[test]
+    fn detach_mounts_kills_and_unmounts_but_keeps_the_records() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = StateDir::new(root.path(), "pod2").unwrap();
+        dir.create(std::process::id()).unwrap();
+        let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+        dir.record_vm_processes(&[child.id()]).unwrap();
+        fs::write(dir.network_record(), "{}").unwrap();
+        let m = dir.shared_dir();
+        mount_tmpfs(&m);
+        let unmounted = dir.detach_mounts().unwrap();
+        assert_eq!(unmounted, vec![m]);
+        assert!(!child.wait().unwrap().success());
+        assert!(mounts_under(dir.path()).is_empty());
+        // The record a later delete retries from is still there, and a cleanup then ends it.
+        assert!(dir.network_record().exists());
+        assert!(dir.cleanup().unwrap().removed);
     }
 
     #[test]

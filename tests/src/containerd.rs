@@ -781,6 +781,16 @@ fn containerd_config(
         ),
     };
     let cri = r#"plugins."io.containerd.grpc.v1.cri""#;
+    // 2.x starts NRI by default on the node-wide /var/run/nri/nri.sock: a second private
+    // containerd beside the first (or a socket left by one) then fails to start with "address
+    // already in use". Each gets its own socket in its own folder.
+    let nri_section = match line {
+        ContainerdLine::V1 => String::new(),
+        ContainerdLine::V2 => format!(
+            "[plugins.\"io.containerd.nri.v1.nri\"]\n  socket_path = {}\n",
+            toml_str(&root.join("nri.sock").to_string_lossy())
+        ),
+    };
     let sandbox_image = toml_str(sandbox_image.unwrap_or(images::PAUSE_IMAGE));
     // `sandboxer` is a 2.x key: 1.x has no Sandbox API (and would reject nothing, but ignore it).
     let sandboxer = match (&opts.microvm_sandboxer, line) {
@@ -858,6 +868,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [plugins."io.containerd.internal.v1.opt"]
   path = {opt}
 
+{nri_section}
 {cri_section}
 {images_section}
 [{runtime}.containerd]

@@ -7,6 +7,7 @@ pub mod guest_console;
 pub mod host_cgroup;
 pub mod images;
 pub mod lifecycle;
+pub mod loop_device;
 pub mod microvm_pods;
 pub mod netns;
 pub mod pod_net;

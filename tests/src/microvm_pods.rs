@@ -98,10 +98,26 @@ pub fn test_hypervisor() -> String {
 }
 
 pub fn write_config_for(dir: &Path, kernel: Option<&Path>, hypervisor: &str) -> PathBuf {
+    let initrd = repo().join("build").join("initrd.cpio");
+    write_config_with(dir, kernel, &initrd, hypervisor)
+}
+
+/// A shim config on the [`test_hypervisor`] backend booting `initrd` (e.g. the hostile agent's
+/// build/initrd-hostile.cpio) with our kernel.
+pub fn write_config_with_initrd(dir: &Path, initrd: &Path) -> PathBuf {
+    write_config_with(dir, None, initrd, &test_hypervisor())
+}
+
+fn write_config_with(
+    dir: &Path,
+    kernel: Option<&Path>,
+    initrd: &Path,
+    hypervisor: &str,
+) -> PathBuf {
     let build = repo().join("build");
     let default_kernel = build.join("vmlinux");
     let kernel = kernel.unwrap_or(&default_kernel);
-    for f in [&default_kernel, &build.join("initrd.cpio")] {
+    for f in [&default_kernel, initrd] {
         assert!(
             f.exists(),
             "{} missing: run `make kernel initrd`",
@@ -116,7 +132,7 @@ pub fn write_config_for(dir: &Path, kernel: Option<&Path>, hypervisor: &str) -> 
         format!(
             "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n",
             kernel.display(),
-            build.join("initrd.cpio").display()
+            initrd.display()
         ),
     )
     .unwrap();

@@ -1,6 +1,6 @@
 //! The `microvm` handler through CRI on a private containerd (tests/src/containerd.rs): pod
 //! sandboxes as VMs under the QEMU backend (this host's KVM cannot boot a Linux guest,
-//! design.md 3b), with our guest kernel and initrd from build/. Needs root, Debian's containerd,
+//! docs/nested-lane.md), with our guest kernel and initrd from build/. Needs root, Debian's containerd,
 //! QEMU and vhost-device-vsock (scripts/install-deps.sh), and `make kernel initrd`.
 //!
 //! After each pod: no shim, QEMU, vhost-device-vsock or virtiofsd process, no state directory

@@ -1,4 +1,4 @@
-//! The pod's host cgroup through CRI (design.md 4d, docs/overhead.md): with a pod cgroup made
+//! The pod's host cgroup through CRI (docs/overhead.md): with a pod cgroup made
 //! as kubelet makes it (sized to the containers plus an overhead) given as
 //! `linux.cgroup_parent`, the shim makes `<pod cgroup>/microvm-<id>`, every process of the pod
 //! (the shim with all its threads, QEMU and its helpers; the shim alone on the embedded VMM) is

@@ -16,15 +16,14 @@
 //! QEMU and vhost-device-vsock (scripts/install-deps.sh), and `make kernel initrd`.
 
 use std::collections::HashMap;
-use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use k8s_cri::v1::{ContainerConfig, Device, KeyValue, Mount};
 use microvm_tests::containerd::PrivateContainerd;
 use microvm_tests::cri::{container_config, CriClient, Pod};
 use microvm_tests::images::BUSYBOX_IMAGE;
+use microvm_tests::loop_device::{write_cdi, LoopDevice};
 use microvm_tests::microvm_pods::*;
 use microvm_tests::podresources::{GetSupport, PodResourcesServer};
 
@@ -36,78 +35,6 @@ const NAMESPACE: &str = "microvm-tests";
 /// The device plugin's resource name, also the CDI kind.
 const RESOURCE: &str = "microvm.test/disk";
 const EXIT_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// A loop device on a file of the test's folder; detached when dropped.
-struct LoopDevice {
-    dev: PathBuf,
-    file: PathBuf,
-}
-
-impl LoopDevice {
-    fn new(dir: &Path, name: &str, marker: &[u8]) -> LoopDevice {
-        let file = dir.join(format!("{name}.img"));
-        let mut f = std::fs::File::create(&file).unwrap();
-        f.write_all(marker).unwrap();
-        f.set_len(4 << 20).unwrap();
-        drop(f);
-        // A host without a loop device yet (the nested lane's L1) gets the module first; so
-        // for /dev/fuse, which containerd stats on the host to write the spec.
-        for (node, module) in [("/dev/loop-control", "loop"), ("/dev/fuse", "fuse")] {
-            if !Path::new(node).exists() {
-                let _ = Command::new("modprobe").arg(module).status();
-            }
-        }
-        let out = Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(&file)
-            .output()
-            .expect("running losetup");
-        assert!(out.status.success(), "losetup: {out:?}");
-        let dev = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-        LoopDevice { dev, file }
-    }
-
-    /// The first `n` bytes of the backing file (after the loop device's writes reached it).
-    fn head(&self, n: usize) -> Vec<u8> {
-        let _ = Command::new("blockdev")
-            .arg("--flushbufs")
-            .arg(&self.dev)
-            .status();
-        let mut f = std::fs::File::open(&self.file).unwrap();
-        f.seek(SeekFrom::Start(0)).unwrap();
-        let mut buf = vec![0; n];
-        f.read_exact(&mut buf).unwrap();
-        buf
-    }
-
-    fn path(&self) -> String {
-        self.dev.display().to_string()
-    }
-}
-
-impl Drop for LoopDevice {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
-    }
-}
-
-/// A CDI spec of kind [`RESOURCE`] in `dir`: device `id` is `host` at `container_path`.
-fn write_cdi(dir: &Path, devices: &[(&str, &str, &LoopDevice, &str)]) {
-    let devices: Vec<serde_json::Value> = devices
-        .iter()
-        .map(|(id, container_path, host, permissions)| {
-            serde_json::json!({"name": id, "containerEdits": {"deviceNodes": [
-                {"path": container_path, "hostPath": host.path(), "permissions": permissions}]}})
-        })
-        .collect();
-    let spec = serde_json::json!({"cdiVersion": "0.6.0", "kind": RESOURCE, "devices": devices});
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(
-        dir.join("microvm-test.json"),
-        serde_json::to_vec(&spec).unwrap(),
-    )
-    .unwrap();
-}
 
 /// The shim config of the test backend, asking `socket` and reading CDI specs from `cdi`.
 fn write_device_config(dir: &Path, socket: &Path, cdi: &Path) -> PathBuf {
@@ -153,6 +80,7 @@ async fn cold_plugged_disks_reach_the_container_read_write_and_read_only() {
     let cdi = dir.path().join("cdi");
     write_cdi(
         &cdi,
+        RESOURCE,
         &[
             ("d-rw", "/dev/xvda", &rw, "rw"),
             ("d-ro", "/dev/xvdb", &ro, "r"),
@@ -208,7 +136,7 @@ async fn list_fallback_and_devices_the_vm_cannot_have_are_refused_by_name() {
     let held = LoopDevice::new(dir.path(), "held", b"held-by-the-pod!");
     let stranger = LoopDevice::new(dir.path(), "stranger", b"");
     let cdi = dir.path().join("cdi");
-    write_cdi(&cdi, &[("d0", "/dev/xvdc", &held, "rw")]);
+    write_cdi(&cdi, RESOURCE, &[("d0", "/dev/xvdc", &held, "rw")]);
     // A kubelet before 1.27: Get is UNIMPLEMENTED, List answers for every pod.
     let server =
         PodResourcesServer::start(&dir.path().join("kubelet.sock"), GetSupport::ListOnly).unwrap();

@@ -2,8 +2,9 @@
 //! containerd, on the backend `MICROVM_TEST_HYPERVISOR` names (QEMU here; the embedded VMM in
 //! the nested lane). Needs root, and what the other cri_microvm suites need.
 //!
-//! A container that owns the guest (here: CAP_SYS_ADMIN in the guest, enough to mount the
-//! pod's virtio-fs share) runs `tests/images/share-attack.c`: it polls the share and, as fast
+//! A container that owns the guest (CAP_SYS_ADMIN in the guest, enough to mount the pod's
+//! virtio-fs share; and a privileged container, with every capability and device of the guest)
+//! runs `tests/images/share-attack.c`: it polls the share and, as fast
 //! as it can, replaces each container's `mounts` and `rootfs` folders by symlinks to a host
 //! canary directory, plants `mounts/<n>` symlinks before the shim creates those names, plants
 //! symlinks at the share's root, fills the share, and creates a device node, a setuid file and
@@ -13,7 +14,7 @@
 //! shim lost (it created and mounted by path inside a share the guest could write).
 //!
 //! Then, from the host's side alone: the canary directory is byte for byte as it was, no mount
-//! appeared in it or anywhere outside the test's own folders, /run kept its free space, the
+//! appeared in it or anywhere outside the test's own folders, the pod's state directory grew on /run by no more than its records, the
 //! attacker's every write to the share was refused (its own counts, and at least one EROFS
 //! seen), the victims ran with their volume or failed naming the cause (the attacker can hurt
 //! its own pod), a second pod is untouched, and the attacked pod leaves nothing behind.
@@ -38,9 +39,10 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Containers created, run and removed while the attack runs: each one a try of the race.
 const VICTIMS: usize = 12;
-/// How far /run's free space may drop while the attack runs (other tests' pods beside it
-/// write their consoles and sockets there); the attacker writes up to 64 MiB when it can.
-const RUN_SLACK_BYTES: u64 = 16 << 20;
+/// How much of /run the attacked pod's state directory may take while the attack runs (its
+/// console ring is 2 MiB at most, the rest is small records); the attacker writes up to 64 MiB
+/// into the share when it can.
+const STATE_BYTES_LIMIT: u64 = 16 << 20;
 
 /// Every file and directory under `dir` (symlinks not followed), with its kind, mode, size and
 /// content: what "unchanged" means for the canary.
@@ -104,19 +106,37 @@ fn foreign_mount_points() -> Vec<PathBuf> {
     m
 }
 
-fn run_free_bytes() -> u64 {
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: statvfs(2) with a NUL-terminated path and a buffer of the right type, which it
-    // fills on success; read only then.
-    let st = unsafe {
-        assert_eq!(
-            libc::statvfs(c"/run".as_ptr(), st.as_mut_ptr()),
-            0,
-            "statvfs /run"
-        );
-        st.assume_init()
+/// The bytes the pod's state directory `/run/microvm/<pod>` takes on the filesystem that holds
+/// /run: its files and folders there, not what is mounted under it (container rootfs and
+/// volumes are the containers' own, and the share's skeleton is a tmpfs of its own of 1 MiB).
+/// A guest that could write the share's skeleton (the old design: a plain folder on /run)
+/// would fill this.
+fn state_bytes_on_run(pod_id: &str) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fn walk(dir: &Path, dev: u64, total: &mut u64) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Ok(meta) = entry.path().symlink_metadata() else {
+                continue;
+            };
+            if meta.dev() != dev {
+                continue;
+            }
+            *total += meta.blocks() * 512;
+            if meta.is_dir() {
+                walk(&entry.path(), dev, total);
+            }
+        }
+    }
+    let dir = Path::new("/run/microvm").join(pod_id);
+    let Ok(root) = dir.symlink_metadata() else {
+        return 0;
     };
-    st.f_bavail * st.f_frsize
+    let mut total = root.blocks() * 512;
+    walk(&dir, root.dev(), &mut total);
+    total
 }
 
 /// `tests/images/share-attack.c`, compiled static into `dir`.
@@ -165,9 +185,19 @@ fn wait_for_line(log: &Path, prefix: &str, timeout: Duration) -> String {
     }
 }
 
-/// The attacker's container: the attack binary from the host (read-only), CAP_SYS_ADMIN in
-/// the guest (enough to mount the share), attacking for `seconds` towards `canary`.
+/// How much of the guest the attacker owns.
+#[derive(Clone, Copy, Debug)]
+enum Attacker {
+    /// CAP_SYS_ADMIN in the guest: enough to mount the share.
+    SysAdmin,
+    /// A privileged container: every capability and device of the guest.
+    Privileged,
+}
+
+/// The attacker's container: the attack binary from the host (read-only), attacking for
+/// `seconds` towards `canary`.
 fn attacker_config(
+    attacker: Attacker,
     attack_dir: &Path,
     canary: &Path,
     seconds: u32,
@@ -185,17 +215,48 @@ fn attacker_config(
         readonly: true,
         ..Default::default()
     }];
-    config.linux = Some(LinuxContainerConfig {
-        security_context: Some(LinuxContainerSecurityContext {
+    let security = match attacker {
+        Attacker::SysAdmin => LinuxContainerSecurityContext {
             capabilities: Some(Capability {
                 add_capabilities: vec!["SYS_ADMIN".into()],
                 ..Default::default()
             }),
             ..Default::default()
-        }),
+        },
+        Attacker::Privileged => LinuxContainerSecurityContext {
+            privileged: true,
+            ..Default::default()
+        },
+    };
+    config.linux = Some(LinuxContainerConfig {
+        security_context: Some(security),
         ..Default::default()
     });
     config
+}
+
+/// The attacked pod: privileged when its attacker is (containerd refuses a privileged
+/// container in a pod that is not).
+async fn run_attacked_pod(
+    ctrd: &microvm_tests::containerd::PrivateContainerd,
+    cri: &microvm_tests::cri::CriClient,
+    attacker: Attacker,
+) -> microvm_tests::cri::Pod {
+    let mut config = ctrd
+        .pod_config("attacked", std::collections::HashMap::new())
+        .unwrap();
+    if let Attacker::Privileged = attacker {
+        config
+            .linux
+            .get_or_insert_with(Default::default)
+            .security_context = Some(microvm_tests::cri::v1::LinuxSandboxSecurityContext {
+            privileged: true,
+            ..Default::default()
+        });
+    }
+    cri.run_pod_sandbox(config, "microvm")
+        .await
+        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\ncontainerd log:\n{}", ctrd.log_tail()))
 }
 
 /// Creates, starts and waits for a victim container, then removes it: its exit code and
@@ -237,6 +298,16 @@ async fn run_victim(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_container_that_owns_the_guest_cannot_steer_the_share_onto_the_host() {
+    attack(Attacker::SysAdmin).await;
+}
+
+/// The same attack from a privileged container (every capability and device of the guest).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_privileged_container_cannot_steer_the_share_onto_the_host() {
+    attack(Attacker::Privileged).await;
+}
+
+async fn attack(attacker: Attacker) {
     let _serial = SERIAL.lock().await;
     let (dir, _config, ctrd, cri) = start_with_busybox().await;
     let attack_dir = dir.path().join("attack");
@@ -267,10 +338,9 @@ async fn a_container_that_owns_the_guest_cannot_steer_the_share_onto_the_host() 
         .unwrap();
     cri.start_container(&quiet).await.unwrap();
 
-    let pod = run_pod(&ctrd, &cri, "attacked").await;
-    let run_free_before = run_free_bytes();
+    let pod = run_attacked_pod(&ctrd, &cri, attacker).await;
     let attacker = cri
-        .create_container(&pod, attacker_config(&attack_dir, &canary, 3600))
+        .create_container(&pod, attacker_config(attacker, &attack_dir, &canary, 3600))
         .await
         .unwrap_or_else(|e| panic!("attacker: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
     cri.start_container(&attacker).await.unwrap();
@@ -282,7 +352,7 @@ async fn a_container_that_owns_the_guest_cannot_steer_the_share_onto_the_host() 
     );
     wait_for_line(&attacker_log, "attack: rounds=", Duration::from_secs(30));
 
-    let mut run_free_low = run_free_before;
+    let mut state_high = state_bytes_on_run(&pod.id);
     // Each victim's outcome; judged after the host's side (what the attack was after).
     let mut victims = Vec::new();
     for i in 0..VICTIMS {
@@ -306,14 +376,14 @@ async fn a_container_that_owns_the_guest_cannot_steer_the_share_onto_the_host() 
             },
         ];
         victims.push(run_victim(&cri, &pod, config).await);
-        run_free_low = run_free_low.min(run_free_bytes());
+        state_high = state_high.max(state_bytes_on_run(&pod.id));
     }
     // A last look while the attacker still runs, then its counts.
     std::thread::sleep(Duration::from_secs(2));
-    run_free_low = run_free_low.min(run_free_bytes());
+    state_high = state_high.max(state_bytes_on_run(&pod.id));
     let summary = last_summary(&attacker_log);
     cri.stop_container(&attacker, 0).await.unwrap();
-    println!("the attacker's last counts: {summary:?}");
+    println!("the {attacker:?} attacker's last counts: {summary:?}");
 
     // The host's side first: this is what the attack was after.
     assert_eq!(
@@ -332,8 +402,8 @@ async fn a_container_that_owns_the_guest_cannot_steer_the_share_onto_the_host() 
         "mounts appeared or vanished outside the test's folders"
     );
     assert!(
-        run_free_before.saturating_sub(run_free_low) < RUN_SLACK_BYTES,
-        "/run's free space dropped from {run_free_before} to {run_free_low} bytes while the attack ran"
+        state_high < STATE_BYTES_LIMIT,
+        "the attacked pod's state directory took {state_high} bytes of /run while the attack ran"
     );
     // The victims: the attacked pod may fail, with a clear error. One does when the attacker
     // looked up its folder before the shim's mounts were there: the guest's kernel then keeps

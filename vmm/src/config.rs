@@ -14,8 +14,9 @@ pub enum SerialSink {
     Null,
     /// The process's standard output.
     Stdout,
-    /// A file, created or truncated.
-    File(PathBuf),
+    /// A console log of bounded size on disk, created or truncated: `path` and `<path>.1`
+    /// hold at most `max_bytes` together, the newest bytes ([`crate::console_log`]).
+    File { path: PathBuf, max_bytes: u64 },
     /// Any writer (a pipe, a buffer shared with a test...).
     Writer(Box<dyn Write + Send>),
 }
@@ -25,7 +26,11 @@ impl fmt::Debug for SerialSink {
         match self {
             SerialSink::Null => f.write_str("Null"),
             SerialSink::Stdout => f.write_str("Stdout"),
-            SerialSink::File(p) => f.debug_tuple("File").field(p).finish(),
+            SerialSink::File { path, max_bytes } => f
+                .debug_struct("File")
+                .field("path", path)
+                .field("max_bytes", max_bytes)
+                .finish(),
             SerialSink::Writer(_) => f.write_str("Writer(..)"),
         }
     }
@@ -37,12 +42,15 @@ impl SerialSink {
         Ok(match self {
             SerialSink::Null => Box::new(io::sink()),
             SerialSink::Stdout => Box::new(io::stdout()),
-            SerialSink::File(path) => {
-                let f = File::create(&path).map_err(|source| VmmError::Io {
-                    op: format!("create the serial output file {}", path.display()),
-                    source,
-                })?;
-                Box::new(f)
+            SerialSink::File { path, max_bytes } => {
+                let log =
+                    crate::console_log::ConsoleLog::create(&path, max_bytes).map_err(|source| {
+                        VmmError::Io {
+                            op: format!("create the serial output file {}", path.display()),
+                            source,
+                        }
+                    })?;
+                Box::new(log)
             }
             SerialSink::Writer(w) => w,
         })

@@ -8,6 +8,7 @@ pub mod boot;
 pub mod boot_files;
 pub mod capabilities;
 pub mod config;
+pub mod console_log;
 pub mod cpuid;
 pub mod devices;
 mod error;
@@ -34,6 +35,10 @@ pub use handle::VmHandle;
 pub use page_sharing::{PageSharingConfig, SharingReport};
 pub use pause::PauseError;
 pub use vm::Vm;
+/// `log::log!` under a per-call-site rate limit ([`log_limit`]).
+pub use vmm_devices::limited;
+/// Rate limits for log lines a guest can trigger (shared with the embedder).
+pub use vmm_devices::log_limit;
 /// What the balloon did ([`VmHandle::balloon_stats`]).
 pub use vmm_devices::virtio::balloon::BalloonStats;
 /// What a disk slot did ([`VmHandle::block_stats`]).

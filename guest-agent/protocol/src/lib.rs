@@ -37,6 +37,21 @@ pub const GUEST_SHARED_DIR: &str = "/run/microvm-shared";
 /// namespace.
 pub const POD_PID_NAMESPACE: &str = "pod:pid";
 
+/// A mount option the shim adds to a container's bind mount with mount propagation
+/// (`rslave`/`rshared`: HostToContainer, Bidirectional), followed by a key that names the host
+/// volume (a hash of its host source and read-only flag). The agent makes one shared mount per
+/// key in the guest and binds every container's mount of that volume from it, so mounts a
+/// container makes under a Bidirectional volume reach the pod's other containers of the same
+/// volume, as they would through the host with runc. The agent removes the option before
+/// libcontainer sees the spec.
+pub const VOLUME_KEY_OPTION: &str = "x-microvm-volume=";
+
+/// The annotation the shim sets (to `true`) on the spec of a privileged container (every device
+/// allowed, every capability: containerd's `securityContext.privileged`), and removes from every
+/// other spec. The agent gives such a container every device of the guest, as runc gives a
+/// privileged container every device of the host.
+pub const PRIVILEGED_ANNOTATION: &str = "microvm.io/privileged";
+
 pub mod stdio;
 
 /// Longest hostname Linux accepts (HOST_NAME_MAX).

@@ -11,7 +11,7 @@ use agent_protocol::agent::{self as pb, CheckResponse};
 use agent_protocol::agent_ttrpc_async::AgentClient as Rpc;
 use ttrpc::context::{self, Context};
 
-use super::{connection, is_timeout, AgentError};
+use super::{agent_text, bounded_rpc_error, connection, guest_pid, is_timeout, AgentError};
 
 /// Timeout of one RPC unless [`AgentClient::set_call_timeout`] changes it.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -71,7 +71,9 @@ impl AgentClient {
 
     /// The one call helper: runs `f` with a context bounded by `timeout`, and bounds the whole
     /// call by that plus a little (the ttrpc client enforces the deadline itself; this makes
-    /// sure nothing else it waits on can hold a caller). Failures name `method`.
+    /// sure nothing else it waits on can hold a caller). Failures name `method`, and every
+    /// string the agent put in one is bounded here ([`bounded_rpc_error`]), before any caller
+    /// sees it.
     async fn call<R, Fut>(
         &self,
         method: &'static str,
@@ -83,7 +85,10 @@ impl AgentClient {
     {
         let call = f(self.rpc.clone(), context::with_duration(timeout));
         match tokio::time::timeout(timeout.saturating_add(CALL_SLACK), call).await {
-            Ok(result) => result.map_err(|source| AgentError::Rpc { method, source }),
+            Ok(result) => result.map_err(|source| AgentError::Rpc {
+                method,
+                source: bounded_rpc_error(source),
+            }),
             Err(_) => Err(AgentError::Rpc {
                 method,
                 source: ttrpc::Error::Others(format!("call timeout after {timeout:?}")),
@@ -144,11 +149,13 @@ impl AgentClient {
         req: pb::CreateContainerRequest,
     ) -> Result<u32, AgentError> {
         let timeout = self.call_timeout.max(BUILD_CALL_TIMEOUT);
-        self.call("CreateContainer", timeout, |rpc, ctx| async move {
-            rpc.create_container(ctx, &req).await
-        })
-        .await
-        .map(|r| r.pid)
+        let method = "CreateContainer";
+        let reply = self
+            .call(method, timeout, |rpc, ctx| async move {
+                rpc.create_container(ctx, &req).await
+            })
+            .await?;
+        guest_pid(method, reply.pid)
     }
 
     pub async fn start_container(&self, container_id: &str) -> Result<u32, AgentError> {
@@ -156,11 +163,13 @@ impl AgentClient {
             container_id: container_id.to_owned(),
             ..Default::default()
         };
-        self.unary("StartContainer", |rpc, ctx| async move {
-            rpc.start_container(ctx, &req).await
-        })
-        .await
-        .map(|r| r.pid)
+        let method = "StartContainer";
+        let reply = self
+            .unary(method, |rpc, ctx| async move {
+                rpc.start_container(ctx, &req).await
+            })
+            .await?;
+        guest_pid(method, reply.pid)
     }
 
     pub async fn exec_process(&self, req: pb::ExecProcessRequest) -> Result<(), AgentError> {
@@ -178,11 +187,13 @@ impl AgentClient {
             ..Default::default()
         };
         let timeout = self.call_timeout.max(BUILD_CALL_TIMEOUT);
-        self.call("StartExec", timeout, |rpc, ctx| async move {
-            rpc.start_exec(ctx, &req).await
-        })
-        .await
-        .map(|r| r.pid)
+        let method = "StartExec";
+        let reply = self
+            .call(method, timeout, |rpc, ctx| async move {
+                rpc.start_exec(ctx, &req).await
+            })
+            .await?;
+        guest_pid(method, reply.pid)
     }
 
     pub async fn signal_process(
@@ -291,7 +302,11 @@ impl AgentClient {
                 reason: format!("{} pids (max {MAX_PIDS})", reply.pids.len()),
             });
         }
-        Ok(reply.pids)
+        reply
+            .pids
+            .into_iter()
+            .map(|pid| guest_pid(method, pid))
+            .collect()
     }
 
     /// The container's cgroup v2 figures ("" = the whole guest).
@@ -363,7 +378,7 @@ impl AgentClient {
                 if !agent_protocol::stdio::valid_id(&reply.container_id) {
                     return Err(AgentError::BadReply {
                         method,
-                        reason: format!("container id {:?}", reply.container_id),
+                        reason: format!("container id {:?}", agent_text(&reply.container_id)),
                     });
                 }
                 Ok(Some(reply.container_id))

@@ -1,6 +1,6 @@
 //! Copying a process's stdio between containerd's FIFOs and the agent's stdio streams: each
-//! stream is its own hybrid-vsock connection to the agent's stdio port carrying raw bytes
-//! (design.md 2, step 6). One tokio task per stream (no thread parked per stream); each ends at
+//! stream is its own hybrid-vsock connection to the agent's stdio port carrying raw bytes.
+//! One tokio task per stream (no thread parked per stream); each ends at
 //! EOF of its source.
 
 use std::fs::OpenOptions;

@@ -197,24 +197,54 @@ impl Sandbox {
 /// tc filters in the pod netns, from the state directory's record), the recorded VM processes
 /// killed, the host cgroup (this process moved back, the cgroup removed), then the state
 /// directory (mounts, the directory itself). The same order as `<shim> delete` after a crash.
+/// A step that fails does not stop the others from running (a network that cannot be torn down
+/// must not leave the VM's processes, its cgroup or the share's mounts behind); the directory
+/// itself, with its undo records, is then kept for a later `<shim> delete` to retry, and the
+/// failures are reported together.
 pub(crate) async fn release_host_resources(state: &StateDir) -> Result<String, String> {
     let network = network::teardown(&state.network_record())
         .await
-        .map_err(|e| format!("tearing down the pod network: {e}"))?;
+        .map_err(|e| format!("tearing down the pod network: {e}"));
     let state = state.clone();
-    let report = tokio::task::spawn_blocking(move || release_cgroup_and_state(&state))
+    let network_failed = network.is_err();
+    let rest = tokio::task::spawn_blocking(move || release_rest(&state, network_failed))
         .await
-        .map_err(|e| format!("cleanup task: {e}"))??;
-    Ok(format!("network {network:?}, {report}"))
+        .map_err(|e| format!("cleanup task: {e}"))
+        .and_then(|r| r);
+    match (network, rest) {
+        (Ok(network), Ok(report)) => Ok(format!("network {network:?}, {report}")),
+        (Err(network), Ok(report)) => Err(format!("{network} (released besides: {report})")),
+        (Ok(_), Err(rest)) => Err(rest),
+        (Err(network), Err(rest)) => Err(format!("{network}; {rest}")),
+    }
 }
 
 /// The blocking part of a release (also `<shim> delete`'s): VM processes, host cgroup, state
 /// directory, in that order (a cgroup with live processes cannot be removed, and its record
 /// lives in the state directory).
 pub fn release_cgroup_and_state(state: &StateDir) -> Result<String, String> {
+    release_rest(state, false)
+}
+
+/// [`release_cgroup_and_state`] after a network teardown that failed if `keep_records`: the
+/// mounts are detached either way, the directory removed only when every step succeeded.
+fn release_rest(state: &StateDir, keep_records: bool) -> Result<String, String> {
     let killed = state.kill_vm_processes();
     let cgroup = cgroup::release(&state.cgroup_record())
-        .map_err(|e| format!("removing the host cgroup: {e}"))?;
+        .map_err(|e| format!("removing the host cgroup: {e}"));
+    if keep_records || cgroup.is_err() {
+        let detached = state.detach_mounts().map_err(|e| e.to_string());
+        return match (cgroup, detached) {
+            (Ok(cgroup), Ok(mounts)) => Ok(format!(
+                "cgroup {cgroup:?}, killed {killed:?}, {} mounts detached, state directory kept",
+                mounts.len()
+            )),
+            (Err(cgroup), Ok(_)) => Err(cgroup),
+            (Ok(_), Err(mounts)) => Err(mounts),
+            (Err(cgroup), Err(mounts)) => Err(format!("{cgroup}; {mounts}")),
+        };
+    }
+    let cgroup = cgroup?;
     let mut report = state.cleanup().map_err(|e| e.to_string())?;
     report.killed.extend(killed);
     Ok(format!("cgroup {cgroup:?}, {report:?}"))

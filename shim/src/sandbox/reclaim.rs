@@ -112,21 +112,20 @@ pub async fn reclaim(state: &StateDir, address: Option<&str>) -> Result<Reclaime
             message: format!("waiting for the state directory's lock: {e}"),
         })??;
     let outcome = match lock {
-        None => Reclaimed::NothingLeft,
-        Some(_held) => {
-            let report = super::release_host_resources(state)
-                .await
-                .map_err(|message| ReclaimError::Release {
-                    pod: pod_name(state.path()),
-                    message,
-                })?;
-            Reclaimed::Released(report)
-        }
+        None => Ok(Reclaimed::NothingLeft),
+        Some(_held) => super::release_host_resources(state)
+            .await
+            .map(Reclaimed::Released)
+            .map_err(|message| ReclaimError::Release {
+                pod: pod_name(state.path()),
+                message,
+            }),
     };
+    // The shim is gone either way: its socket goes even when a step of the release failed.
     if let Some(a) = address {
         remove_dead_socket(a, Duration::ZERO).await;
     }
-    Ok(outcome)
+    outcome
 }
 
 /// Reclaims every pod under `root` whose recorded shim is gone and that nobody is reclaiming

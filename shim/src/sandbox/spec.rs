@@ -3,7 +3,7 @@
 //! sysctls, and an app container's spec rewritten for the guest.
 //!
 //! Rewriting an app container's OCI spec from host paths to guest paths, before it goes to the
-//! agent's CreateContainer (as JSON: the spec is never re-modelled, design.md 4).
+//! agent's CreateContainer (as JSON: the spec is never re-modelled).
 //!
 //! The pod's shared directory (`<state>/shared` on the host) is the guest's
 //! [`GUEST_SHARED_DIR`], exported under [`SHARED_FS_TAG`]. A container's rootfs is mounted on the
@@ -18,7 +18,16 @@
 //!   [`POD_PID_NAMESPACE`] (the agent's pod PID namespace); others lose the path (new
 //!   namespace);
 //! - `linux.cgroupsPath` and `hooks` are removed (host cgroups and host binaries mean nothing in
-//!   the guest; the agent picks the cgroup).
+//!   the guest; the agent picks the cgroup);
+//! - a privileged container ([`crate::resources::devices::oci::is_privileged`]) gets
+//!   [`PRIVILEGED_ANNOTATION`], which no other spec keeps: the agent then gives it the guest's
+//!   devices (its host devices were left out before, `resources::devices`);
+//! - a bind mount with propagation (`rslave`/`rshared`) gets [`VOLUME_KEY_OPTION`] with the key
+//!   of its host volume ([`volume_key`]): the agent binds every container's mount of one volume
+//!   from one shared mount in the guest, so what a privileged container mounts under a
+//!   Bidirectional volume reaches the pod's other containers of that volume (each container's
+//!   share is a directory of its own on the host, so the guest would otherwise see different
+//!   mounts).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -28,7 +37,9 @@ use serde_json::Value;
 use crate::config::Config;
 use crate::resources::cgroup::overhead::{self, Amounts};
 
-pub use agent_protocol::{GUEST_SHARED_DIR, POD_PID_NAMESPACE, SHARED_FS_TAG};
+pub use agent_protocol::{
+    GUEST_SHARED_DIR, POD_PID_NAMESPACE, PRIVILEGED_ANNOTATION, SHARED_FS_TAG, VOLUME_KEY_OPTION,
+};
 
 /// A host path to bind-mount into the shared directory, at `shared/<relative>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +62,21 @@ pub enum SpecError {
     Invalid(String),
 }
 
+/// The key of a host volume shared with propagation: the same for every container of the pod
+/// that mounts `host_source` with the same `readonly` (their shares then come from one host
+/// bind mount's view), different otherwise; a hash, so that no host path reaches the guest.
+pub fn volume_key(host_source: &std::path::Path, readonly: bool) -> String {
+    use sha2::{Digest, Sha256};
+    use std::os::unix::ffi::OsStrExt;
+    let mut h = Sha256::new();
+    h.update(host_source.as_os_str().as_bytes());
+    h.update([0, u8::from(readonly)]);
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// The guest path of container `cid`'s rootfs.
 pub fn guest_rootfs(cid: &str) -> String {
     format!("{GUEST_SHARED_DIR}/{cid}/rootfs")
@@ -68,9 +94,25 @@ pub fn rewrite_for_guest(
     if cid.is_empty() || cid.contains('/') || cid == "." || cid == ".." {
         return Err(SpecError::Invalid(format!("container id {cid:?}")));
     }
+    let privileged = crate::resources::devices::oci::is_privileged(spec);
     let obj = spec
         .as_object_mut()
         .ok_or_else(|| SpecError::Invalid("not a JSON object".into()))?;
+    match obj.get_mut("annotations").and_then(Value::as_object_mut) {
+        Some(a) => {
+            a.remove(PRIVILEGED_ANNOTATION);
+            if privileged {
+                a.insert(PRIVILEGED_ANNOTATION.into(), Value::String("true".into()));
+            }
+        }
+        None if privileged => {
+            obj.insert(
+                "annotations".into(),
+                serde_json::json!({ PRIVILEGED_ANNOTATION: "true" }),
+            );
+        }
+        None => {}
+    }
     let root = obj
         .entry("root")
         .or_insert_with(|| Value::Object(Default::default()));
@@ -95,6 +137,15 @@ pub fn rewrite_for_guest(
                         .collect()
                 })
                 .unwrap_or_default();
+            // Only the shim names volumes for the agent.
+            if options.iter().any(|o| o.starts_with(VOLUME_KEY_OPTION)) {
+                let kept: Vec<Value> = options
+                    .iter()
+                    .filter(|o| !o.starts_with(VOLUME_KEY_OPTION))
+                    .map(|o| Value::String(o.clone()))
+                    .collect();
+                m["options"] = Value::Array(kept);
+            }
             let is_bind = m.get("type").and_then(Value::as_str) == Some("bind")
                 || options.iter().any(|o| o == "bind" || o == "rbind");
             if !is_bind {
@@ -109,14 +160,21 @@ pub fn rewrite_for_guest(
                 )));
             }
             let relative = PathBuf::from(cid).join("mounts").join(n.to_string());
-            binds.push(ShareBind {
+            let bind = ShareBind {
                 host_source: PathBuf::from(source),
                 relative: relative.clone(),
                 readonly: options.iter().any(|o| o == "ro"),
                 from_host: options
                     .iter()
                     .any(|o| matches!(o.as_str(), "rslave" | "slave" | "rshared" | "shared")),
-            });
+            };
+            if bind.from_host {
+                let key = volume_key(&bind.host_source, bind.readonly);
+                if let Some(o) = m.get_mut("options").and_then(Value::as_array_mut) {
+                    o.push(Value::String(format!("{VOLUME_KEY_OPTION}{key}")));
+                }
+            }
+            binds.push(bind);
             m["source"] = Value::String(format!("{GUEST_SHARED_DIR}/{}", relative.display()));
         }
     }
@@ -297,7 +355,7 @@ pub const ANN_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
 /// Annotation: the pod's summed memory limit in bytes.
 pub const ANN_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
 
-/// The size of a pod's VM from its sandbox annotations (design.md 3): vCPUs from
+/// The size of a pod's VM from its sandbox annotations: vCPUs from
 /// `io.kubernetes.cri.sandbox-cpu-quota` / `-cpu-period` (rounded up, capped at `max_vcpus`),
 /// memory from `io.kubernetes.cri.sandbox-memory` plus the guest's own base (capped at
 /// `max_memory_mib`); the config's defaults where the pod sets no limits.
@@ -365,6 +423,7 @@ pub struct VmSize {
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::path::Path;
 
     fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs
@@ -598,6 +657,62 @@ mod tests {
         // Untouched parts stay.
         assert_eq!(spec["process"]["args"], json!(["sh"]));
         assert_eq!(spec["annotations"]["io.kubernetes.cri.sandbox-id"], "s1");
+    }
+
+    #[test]
+    fn only_a_privileged_spec_carries_the_privileged_annotation() {
+        let mut forged = cri_app_spec();
+        forged["annotations"][PRIVILEGED_ANNOTATION] = json!("true");
+        rewrite_for_guest(&mut forged, "c1", 42).unwrap();
+        assert!(forged["annotations"].get(PRIVILEGED_ANNOTATION).is_none());
+        let mut privileged = json!({
+            "process": {"capabilities": {"bounding": ["CAP_SYS_ADMIN"]}},
+            "linux": {"resources": {"devices": [{"allow": true, "access": "rwm"}]}}});
+        rewrite_for_guest(&mut privileged, "c1", 42).unwrap();
+        assert_eq!(privileged["annotations"][PRIVILEGED_ANNOTATION], "true");
+    }
+
+    #[test]
+    fn propagating_binds_carry_their_volumes_key_and_only_the_shims() {
+        let spec = |options: Value| {
+            json!({"mounts": [
+                {"destination": "/vol", "type": "bind", "source": "/srv/vol", "options": options},
+                {"destination": "/plain", "type": "bind", "source": "/srv/vol",
+                 "options": ["rbind", "rprivate", "x-microvm-volume=forged"]}
+            ]})
+        };
+        let key = |s: &Value| -> Vec<String> {
+            s["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    m["options"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter_map(|o| o.as_str()?.strip_prefix(VOLUME_KEY_OPTION))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .collect()
+        };
+        let mut bidi = spec(json!(["rbind", "rshared", "rw"]));
+        let mut h2c = spec(json!(["rbind", "rslave", "rw"]));
+        let mut h2c_ro = spec(json!(["rbind", "rslave", "ro"]));
+        let binds = rewrite_for_guest(&mut bidi, "a", 1).unwrap();
+        rewrite_for_guest(&mut h2c, "b", 1).unwrap();
+        rewrite_for_guest(&mut h2c_ro, "c", 1).unwrap();
+        let (a, b, c) = (key(&bidi), key(&h2c), key(&h2c_ro));
+        // One key per volume and read-only flag; a forged one is removed, none added.
+        assert_eq!(a[0].len(), 32);
+        assert_eq!(a[0], b[0]);
+        assert_ne!(a[0], c[0]);
+        assert_eq!((a[1].as_str(), b[1].as_str()), ("", ""));
+        assert_eq!(a[0], volume_key(Path::new("/srv/vol"), false));
+        assert_ne!(a[0], volume_key(Path::new("/srv/vol2"), false));
+        assert!(binds[0].from_host && !binds[1].from_host);
+        assert_eq!(bidi["mounts"][1]["options"], json!(["rbind", "rprivate"]));
     }
 
     #[test]

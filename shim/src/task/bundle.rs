@@ -1,6 +1,6 @@
 //! What a container is to the shim, read from its bundle's `config.json`: the pod sandbox
 //! itself, an app container of a pod, or a container outside any pod (`ctr run`). Decided by
-//! the annotations containerd's CRI plugin puts on the OCI spec (design.md 2).
+//! the annotations containerd's CRI plugin puts on the OCI spec.
 
 use std::collections::HashMap;
 use std::path::Path;

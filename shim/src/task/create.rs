@@ -97,7 +97,12 @@ impl TaskService {
             init.handle(),
             sandbox.ended(),
         );
-        events::watch_oom(self.events.clone(), sandbox.agent(), sandbox.ended());
+        events::watch_oom(
+            self.events.clone(),
+            sandbox.agent(),
+            self.inner.clone(),
+            sandbox.ended(),
+        );
         self.inner.lock().await.map.insert(
             req.id.clone(),
             Container {
@@ -121,7 +126,12 @@ impl TaskService {
         let sandbox = self.boot(req, &spec, annotations, HashMap::new()).await?;
         match self.create_app(req, spec, &req.id).await {
             Ok(pid) => {
-                events::watch_oom(self.events.clone(), sandbox.agent(), sandbox.ended());
+                events::watch_oom(
+                    self.events.clone(),
+                    sandbox.agent(),
+                    self.inner.clone(),
+                    sandbox.ended(),
+                );
                 Ok(pid)
             }
             Err(e) => {

@@ -200,7 +200,8 @@ impl TaskService {
     pub(super) async fn exec_kill(&self, req: &api::KillRequest) -> Result<()> {
         let agent = {
             let inner = self.inner.lock().await;
-            match inner.exec(&req.id, &req.exec_id)?.state() {
+            let exec = inner.exec(&req.id, &req.exec_id)?;
+            match exec.state() {
                 State::Exited(_) => {
                     return Err(Error::NotFound(format!(
                         "exec {} of container {} already finished",
@@ -214,6 +215,15 @@ impl TaskService {
                     )))
                 }
                 State::Running | State::Paused => {}
+            }
+            if req.signal == 9 {
+                // The host's word, whatever the guest reports (events::watch_kill).
+                events::watch_kill(
+                    self.events.clone(),
+                    (req.id.clone(), req.exec_id.clone()),
+                    exec.pid,
+                    exec.handle(),
+                );
             }
             inner.sandbox()?.agent()
         };

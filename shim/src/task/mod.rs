@@ -18,12 +18,15 @@
 //! - [`bundle`]: the container's role (sandbox, app, standalone) from its spec's annotations.
 //! - [`options`]: the handler's `ConfigPath` from the runtime options.
 //! - [`metrics`]: an app container's cgroup v2 figures as containerd's Stats `Any`.
+//! - [`log_guard`]: the daemon's log, one escaped, bounded line per record, rate-limited per
+//!   call site (the shim's lines quote what the guest says).
 
 pub mod bundle;
 pub mod container;
 pub mod create;
 pub mod events;
 pub mod exec;
+pub mod log_guard;
 pub mod metrics;
 pub mod options;
 pub mod process;

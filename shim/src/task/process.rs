@@ -53,8 +53,8 @@ pub enum State {
 pub struct StateHandle(Arc<watch::Sender<State>>);
 
 impl StateHandle {
-    /// Records the exit (the first one wins).
-    pub fn exited(&self, exit: Exit) {
+    /// Records the exit (the first one wins); whether this one did.
+    pub fn exited(&self, exit: Exit) -> bool {
         self.0.send_if_modified(|s| {
             if matches!(s, State::Exited(_)) {
                 false
@@ -62,7 +62,17 @@ impl StateHandle {
                 *s = State::Exited(exit);
                 true
             }
-        });
+        })
+    }
+
+    /// Whether an exit is recorded.
+    pub fn has_exited(&self) -> bool {
+        matches!(*self.0.borrow(), State::Exited(_))
+    }
+
+    /// A watch of the state.
+    pub fn watch(&self) -> watch::Receiver<State> {
+        self.0.subscribe()
     }
 }
 
@@ -150,8 +160,10 @@ mod tests {
         p.set(State::Running);
         let waiter = tokio::spawn(wait_exit(p.watch()));
         let first = Exit::now(3);
-        p.handle().exited(first);
-        p.handle().exited(Exit::now(9));
+        assert!(!p.handle().has_exited());
+        assert!(p.handle().exited(first));
+        assert!(!p.handle().exited(Exit::now(9)));
+        assert!(p.handle().has_exited());
         p.set(State::Paused);
         assert_eq!(p.state(), State::Exited(first));
         assert_eq!(waiter.await.unwrap(), first);

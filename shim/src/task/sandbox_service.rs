@@ -182,7 +182,12 @@ impl SandboxService {
             );
             handle.exited(Exit::from(&end));
         });
-        events::watch_oom(self.task.events.clone(), vm.agent(), vm.ended());
+        events::watch_oom(
+            self.task.events.clone(),
+            vm.agent(),
+            self.task.inner.clone(),
+            vm.ended(),
+        );
         Ok((pid, created_at))
     }
 }

@@ -114,7 +114,7 @@ async fn daemon(
         ));
     }
     if !config.no_setup_logger {
-        containerd_shim::logger::init(
+        crate::task::log_guard::init(
             flags.debug,
             &config.default_log_level,
             &flags.namespace,

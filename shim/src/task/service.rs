@@ -284,8 +284,32 @@ impl Task for TaskService {
                 .as_ref()
                 .map(|p| p.agent())
                 .ok_or_else(|| Error::container_not_found(&req.id))?;
+            // An init that never started (its Start failed: the guest may fail any call) has
+            // no exit watcher: a SIGKILL or SIGTERM ends it here, as runc's kill of a created
+            // container does, so that containerd's cleanup (kill, wait, delete) can finish.
+            let never_started = (c.init.state() == State::Created && matches!(req.signal, 9 | 15))
+                .then(|| (c.init.handle(), c.init.pid));
+            // A SIGKILL is the host's word: a guest that never reports the exit does not hold
+            // the container (events::watch_kill).
+            if !exited && never_started.is_none() && req.signal == 9 {
+                events::watch_kill(
+                    self.events.clone(),
+                    (req.id.clone(), req.id.clone()),
+                    c.init.pid,
+                    c.init.handle(),
+                );
+            }
             drop(inner);
             let signalled = agent.signal_process(&req.id, "", req.signal, req.all).await;
+            if let Some((handle, pid)) = never_started {
+                if let Err(e) = &signalled {
+                    log::debug!("signalling container {} that never started: {e}", req.id);
+                }
+                let exit = Exit::now(128u32.saturating_add(req.signal));
+                handle.exited(exit);
+                self.events.exit(&req.id, &req.id, pid, exit).await;
+                return Ok(api::Empty::new());
+            }
             return match signalled {
                 Ok(()) => Ok(api::Empty::new()),
                 // Nothing was left to signal: the process is gone, as containerd expects.

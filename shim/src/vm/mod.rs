@@ -1,4 +1,4 @@
-//! The seam between the host side and a VM backend (design.md 4): one [`GuestSpec`] says what to
+//! The seam between the host side and a VM backend: one [`GuestSpec`] says what to
 //! boot, [`Vm`] is the running VM of either backend (the embedded VMM, the product's default, or
 //! [`qemu`] for hosts whose KVM cannot boot a Linux guest), [`GuestVm`] adds what both share (work
 //! folder, console log, agent socket, the agent's ready event), and a VM's end is typed
@@ -47,8 +47,8 @@ pub const GUEST_CID: u32 = 3;
 /// The hybrid-vsock socket's name in a VM's work folder (both backends).
 pub const VSOCK_UDS_NAME: &str = "vsock.sock";
 
-/// What to boot. Network interfaces and drives join here as fields of their own when they come
-/// (design.md 4c, 4e); each backend turns the spec into its own devices.
+/// What to boot. Network interfaces and drives join here as fields of their own when they come;
+/// each backend turns the spec into its own devices.
 #[derive(Debug, Clone)]
 pub struct GuestSpec {
     /// The guest kernel (uncompressed vmlinux ELF).
@@ -383,20 +383,27 @@ pub struct GuestVm {
     work_dir: PathBuf,
     started_at: Instant,
     detail: String,
-    ready: ReadyListener,
+    /// The host end of the agent's ready port, until the event came: then it is closed, and
+    /// later connections of the guest to that port find nobody.
+    ready: Option<ReadyListener>,
 }
 
-/// The console log a VM started from a spec with `work_dir` writes.
+/// The console log a VM started from a spec with `work_dir` writes: a bounded pair,
+/// `console.log` and `console.log.1`, of at most [`CONSOLE_LOG_BYTES`] on both backends
+/// (`vmm::console_log`).
 pub fn console_log_in(work_dir: &Path) -> PathBuf {
     work_dir.join("console.log")
 }
 
-/// The last `lines` of a console log (empty if it cannot be read), for error messages.
+/// The bound of a VM's console log pair on the host.
+pub const CONSOLE_LOG_BYTES: u64 = vmm::console_log::DEFAULT_CONSOLE_LOG_BYTES;
+/// The most of a console's end quoted in an error message or a log line.
+pub const CONSOLE_TAIL_BYTES: usize = 4096;
+
+/// The last `lines` of a console log (empty if it cannot be read), for error messages: read
+/// from its end, at most [`CONSOLE_TAIL_BYTES`], control characters escaped.
 pub fn console_tail(console_log: &Path, lines: usize) -> String {
-    let text = std::fs::read(console_log).unwrap_or_default();
-    let text = String::from_utf8_lossy(&text);
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
+    vmm::console_log::tail(console_log, CONSOLE_TAIL_BYTES, lines)
 }
 
 /// The kernel command line our Linux guest gets under the embedded VMM (the VMM appends its
@@ -439,7 +446,7 @@ impl GuestVm {
                 work_dir: spec.work_dir.clone(),
                 started_at,
                 detail,
-                ready,
+                ready: Some(ready),
             }),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&spec.work_dir);
@@ -461,7 +468,10 @@ impl GuestVm {
         cfg.cmdline = format!("{KVM_GUEST_CMDLINE} {}", spec.cmdline_extra())
             .trim_end()
             .to_string();
-        cfg.serial = vmm::SerialSink::File(console_log.to_path_buf());
+        cfg.serial = vmm::SerialSink::File {
+            path: console_log.to_path_buf(),
+            max_bytes: CONSOLE_LOG_BYTES,
+        };
         cfg.vsock = Some(vmm::VsockConfig {
             guest_cid: GUEST_CID,
             uds_path: uds.to_path_buf(),
@@ -530,6 +540,7 @@ impl GuestVm {
         cfg.guest_cid = GUEST_CID;
         cfg.accel = Accel::Auto;
         cfg.console_log = Some(console_log.to_path_buf());
+        cfg.console_log_bytes = CONSOLE_LOG_BYTES;
         cfg.cmdline_extra = spec.cmdline_extra();
         cfg.shared_fs = spec.shared.as_ref().map(|s| qemu::QemuSharedFs {
             tag: s.tag.clone(),
@@ -617,8 +628,12 @@ impl GuestVm {
     /// first. Errors carry the console's tail.
     pub fn wait_agent_ready(&mut self, timeout: Duration) -> Result<(), GuestVmError> {
         let GuestVm { vm, ready, .. } = self;
+        let Some(listener) = ready.as_ref() else {
+            // It came already.
+            return Ok(());
+        };
         let mut gone = None;
-        let waited = ready.wait(timeout, || match vm.wait_timeout(Duration::ZERO) {
+        let waited = listener.wait(timeout, || match vm.wait_timeout(Duration::ZERO) {
             Ok(None) => false,
             Ok(Some(reason)) => {
                 gone = Some(reason);
@@ -631,6 +646,9 @@ impl GuestVm {
         });
         if let Some(reason) = gone {
             log::warn!("the guest ended before its agent was ready: {reason}");
+        }
+        if waited.is_ok() {
+            *ready = None;
         }
         waited.map_err(|source| GuestVmError::AgentNotReady {
             source,

@@ -604,7 +604,7 @@ fn pick_backend(check: &VmBackend, forced: Option<&str>) -> Result<PodBackend> {
 
 /// The accelerator of the embedded VMM, from check-host's KVM kind (`kvm_kind` of
 /// `check-host --json`): `kvm` on hardware virtualization, `nested-kvm` on VMX/SVM from an outer
-/// hypervisor, `nested-svm-tcg` on SVM emulated by QEMU's TCG (the nested lane of design.md 3b),
+/// hypervisor, `nested-svm-tcg` on SVM emulated by QEMU's TCG (the nested lane, docs/nested-lane.md),
 /// `kvm-pvm` on kvm-pvm (JSON `pvm`), and the kind itself for any other.
 fn embedded_accel(kvm_kind: &str) -> String {
     match kvm_kind {

@@ -10,6 +10,7 @@
 
 pub mod bus;
 pub mod i8042;
+pub mod log_limit;
 pub mod pci;
 pub mod serial;
 pub mod virtio;

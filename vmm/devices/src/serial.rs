@@ -71,7 +71,7 @@ impl BusDevice for SerialDevice {
         match (u8::try_from(offset), data) {
             (Ok(off), [value]) if offset < SERIAL_PORT_LEN => {
                 if let Err(e) = self.uart.write(off, *value) {
-                    log::warn!("serial: write failed: {e:?}");
+                    crate::limited!(log::Level::Warn, "serial: write failed: {e:?}");
                 }
             }
             _ => log::debug!(

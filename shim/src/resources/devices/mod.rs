@@ -1,4 +1,4 @@
-//! Devices a pod's containers get from device plugins (design.md 4e, docs/devices.md).
+//! Devices a pod's containers get from device plugins (docs/devices.md).
 //!
 //! - At boot ([`cold_plug`]): kubelet's PodResources API ([`podresources`]) says which devices
 //!   the pod holds; CDI specs ([`cdi`]) or a PCI address with an IOMMU group turn each into host
@@ -9,7 +9,9 @@
 //!   (its host node from `/sys/dev/block`, [`host`]), a guest-own character device as it is, a
 //!   VFIO node dropped (the device is the VM's), anything else refused naming the device.
 //!   The guest agent gets `container path -> disk serial` and makes the node from the guest's
-//!   own numbers.
+//!   own numbers. A privileged container's spec lists the host's whole `/dev`: of it only the
+//!   pod's disks and the guest's own character devices stay, nothing is refused
+//!   ([`DeviceTable::prepare`]'s privileged branch), and the agent gives it the guest's devices.
 //! - Which slot holds which container's device is recorded in the state directory
 //!   (`devices.json`) after every change; the disks' host files are only fds of this process,
 //!   so nothing on the host outlives it.
@@ -398,6 +400,9 @@ impl DeviceTable {
     /// on any later failure [`DeviceTable::release`] gives them back.
     pub fn prepare(&self, cid: &str, spec: &Value) -> Result<Prepared, DevicesError> {
         let devices = oci::spec_devices(spec)?;
+        if oci::is_privileged(spec) {
+            return self.prepare_privileged(cid, devices);
+        }
         let mut t = self.lock();
         let has_vfio = !t.vfio.is_empty();
         let mut out = Prepared::default();
@@ -420,6 +425,56 @@ impl DeviceTable {
             release_in(&mut t, cid);
             return Err(e);
         }
+        self.write(&t)?;
+        Ok(out)
+    }
+
+    /// A privileged container's devices ([`oci::is_privileged`]). containerd lists the host's
+    /// whole `/dev` after the devices CRI asked for, and which entry came from where cannot be
+    /// told from the spec alone; so only what the pod holds reaches the VM: a block device that
+    /// is one of the pod's disks (cold-plugged at boot from kubelet's PodResources API, or in a
+    /// slot another container of the pod filled) goes to the container at the entry's path, a
+    /// character device the guest has itself stays; every other entry (the host's disks,
+    /// `/dev/kvm`, `/dev/mem`, VFIO nodes, ...) leaves the spec, and nothing is refused. The
+    /// first entry at a path wins (CRI's come first). In the guest the container gets every
+    /// device of the guest besides (the agent walks the guest's `/dev`).
+    fn prepare_privileged(
+        &self,
+        cid: &str,
+        devices: Vec<SpecDevice>,
+    ) -> Result<Prepared, DevicesError> {
+        let mut t = self.lock();
+        let mut out = Prepared::default();
+        let mut paths = std::collections::HashSet::new();
+        let total = devices.len();
+        for d in devices {
+            let first_at_path = paths.insert(d.path.clone());
+            let keep = first_at_path
+                && !oci::is_vfio(&d)
+                && match d.kind {
+                    NodeKind::Char => oci::guest_own_char(&d).is_some(),
+                    NodeKind::Block => match pod_disk(&mut t, cid, &d) {
+                        Some(block) => {
+                            out.blocks.push(block);
+                            true
+                        }
+                        None => false,
+                    },
+                };
+            if keep {
+                log::debug!("container {cid} (privileged): {d} stays");
+            } else {
+                log::debug!("container {cid} (privileged): {d} is not the pod's: left out");
+                out.removed.push(d);
+            }
+        }
+        log::info!(
+            "container {cid} is privileged: {} of the {total} devices of its spec are the \
+             pod's disks or the guest's own and stay, the {} others (the host's) are left out; \
+             the guest's devices are given in the VM",
+            total - out.removed.len(),
+            out.removed.len()
+        );
         self.write(&t)?;
         Ok(out)
     }
@@ -516,6 +571,32 @@ impl DeviceTable {
     pub fn has_vfio(&self) -> bool {
         !self.lock().vfio.is_empty()
     }
+}
+
+/// The guest disk of block device `d` if it is one of the pod's disks: cold-plugged, or in a
+/// slot (then `cid` holds the slot too, until it is released).
+fn pod_disk(t: &mut Table, cid: &str, d: &SpecDevice) -> Option<GuestBlock> {
+    let wants_ro = d.access == Access::ReadOnly;
+    let guest = |serial: &str, ro: bool| GuestBlock {
+        container_path: d.path.clone(),
+        serial: serial.to_string(),
+        read_only: wants_ro || ro,
+    };
+    if let Some(c) = t.cold.iter().find(|c| c.rdev == (d.major, d.minor)) {
+        return Some(guest(&c.serial, c.read_only));
+    }
+    for s in &mut t.slots {
+        let read_only = s.read_only;
+        if let Some(h) = &mut s.holder {
+            if h.rdev == (d.major, d.minor) {
+                if !h.containers.iter().any(|c| c == cid) {
+                    h.containers.push(cid.to_string());
+                }
+                return Some(guest(&h.serial, read_only));
+            }
+        }
+    }
+    None
 }
 
 fn release_in(t: &mut Table, cid: &str) -> Vec<usize> {
@@ -663,6 +744,133 @@ mod tests {
         let p3 = t.prepare("c4", &spec("/dev/xvda", ma, mi, "r")).unwrap();
         assert_eq!(p3.attach[0].index, 1);
         assert_ne!(p3.attach[0].serial, p.attach[0].serial);
+    }
+
+    /// A privileged container as containerd writes it: CRI's device (the pod's disk, 7:0, at
+    /// /dev/xvda) first, then the host's /dev with that disk again at its host path, the host's
+    /// own disk and character devices, VFIO nodes; one rule allowing every device.
+    fn privileged(extra: &[Value]) -> Value {
+        let mut devices = vec![
+            json!({"path": "/dev/xvda", "type": "b", "major": 7, "minor": 0}),
+            json!({"path": "/dev/autofs", "type": "c", "major": 10, "minor": 235}),
+            json!({"path": "/dev/kvm", "type": "c", "major": 10, "minor": 232}),
+            json!({"path": "/dev/mem", "type": "c", "major": 1, "minor": 1}),
+            json!({"path": "/dev/null", "type": "c", "major": 1, "minor": 3}),
+            json!({"path": "/dev/net/tun", "type": "c", "major": 10, "minor": 200}),
+            json!({"path": "/dev/loop0", "type": "b", "major": 7, "minor": 0}),
+            json!({"path": "/dev/sda", "type": "b", "major": 8, "minor": 0}),
+            json!({"path": "/dev/sda1", "type": "b", "major": 8, "minor": 1}),
+            json!({"path": "/dev/vfio/vfio", "type": "c", "major": 10, "minor": 196}),
+        ];
+        devices.extend_from_slice(extra);
+        json!({
+            "process": {"capabilities": {"bounding": ["CAP_SYS_ADMIN", "CAP_MKNOD"]}},
+            "linux": {"devices": devices,
+                      "resources": {"devices": [{"allow": true, "access": "rwm"}]}}})
+    }
+
+    /// A table whose VM has cold disk 7:0 (read-only if `ro`) and `slots` read-write slots.
+    fn with_cold_disk(dir: &Path, ro: bool, slots: usize) -> DeviceTable {
+        let cold = ColdPlug {
+            disks: vec![ColdDisk {
+                host: PathBuf::from("/dev/loop0"),
+                rdev: (7, 0),
+                access: if ro {
+                    Access::ReadOnly
+                } else {
+                    Access::ReadWrite
+                },
+                file: File::open("/dev/null").unwrap(),
+            }],
+            vfio: Vec::new(),
+        };
+        let layout = disk_layout(&cold, slots, 0);
+        DeviceTable::new(
+            dir.join(RECORD_FILE),
+            Hotplug::Supported,
+            &layout,
+            &cold,
+            Vec::new(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_privileged_container_keeps_the_pods_disks_and_the_guests_devices_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = with_cold_disk(dir.path(), false, 1);
+        let mut spec = privileged(&[]);
+        let p = t.prepare("c1", &spec).unwrap();
+        // The pod's disk at CRI's path and at the host's path (runc's privileged container has
+        // both too), nothing attached.
+        assert_eq!(
+            p.blocks,
+            vec![
+                GuestBlock {
+                    container_path: "/dev/xvda".into(),
+                    serial: "microvm-cold0".into(),
+                    read_only: false
+                },
+                GuestBlock {
+                    container_path: "/dev/loop0".into(),
+                    serial: "microvm-cold0".into(),
+                    read_only: false
+                }
+            ]
+        );
+        assert!(p.attach.is_empty());
+        oci::remove_devices(&mut spec, &p.removed);
+        let left: Vec<&str> = spec["linux"]["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["path"].as_str().unwrap())
+            .collect();
+        assert_eq!(left, ["/dev/xvda", "/dev/null", "/dev/loop0"]);
+        assert_eq!(
+            spec["linux"]["resources"]["devices"],
+            json!([{"allow": true, "access": "rwm"}]),
+            "the allow-all rule stays for the guest"
+        );
+        assert!(t.release("c1").is_empty());
+    }
+
+    #[test]
+    fn a_privileged_container_gets_read_only_disks_read_only_and_shares_held_slots() {
+        let Some((ma, mi)) = host_block() else {
+            eprintln!("no readable host block device: skipped");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let t = with_cold_disk(dir.path(), true, 1);
+        // Another container of the pod holds a hot-plugged disk.
+        let held = t.prepare("c0", &spec("/dev/hot", ma, mi, "rwm")).unwrap();
+        assert_eq!(held.attach.len(), 1);
+        let hot = json!({"path": "/dev/hot", "type": "b", "major": ma, "minor": mi});
+        let p = t.prepare("c1", &privileged(&[hot])).unwrap();
+        assert!(
+            p.attach.is_empty(),
+            "no new slot for a privileged container"
+        );
+        assert_eq!(p.blocks.len(), 3);
+        assert!(p.blocks[..2]
+            .iter()
+            .all(|b| b.read_only && b.serial == "microvm-cold0"));
+        assert_eq!(p.blocks[2].serial, held.attach[0].serial);
+        // The slot is emptied only when both have let it go.
+        assert!(t.release("c0").is_empty());
+        assert_eq!(t.release("c1"), vec![1]);
+    }
+
+    #[test]
+    fn a_spec_that_is_not_privileged_keeps_the_strict_refusal() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = with_cold_disk(dir.path(), false, 0);
+        // Every device allowed, but without the capabilities of a privileged container.
+        let mut spec = privileged(&[]);
+        spec["process"]["capabilities"]["bounding"] = json!(["CAP_CHOWN"]);
+        let e = t.prepare("c1", &spec).unwrap_err().to_string();
+        assert!(e.contains("/dev/autofs (c 10:235) cannot be given"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! What a container's OCI spec asks for: its `linux.devices` with the access the
 //! `linux.resources.devices` rules give each, classified by what the VM can do with it
-//! ([`DeviceClass`]), and the spec edits that follow (VFIO nodes leave the container's spec).
+//! ([`DeviceClass`]), whether the container is privileged ([`is_privileged`]), and the spec
+//! edits that follow (VFIO nodes, and a privileged container's host devices, leave the
+//! container's spec).
 
 use serde_json::Value;
 
@@ -32,6 +34,8 @@ pub enum Access {
 /// One `linux.devices` entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecDevice {
+    /// Its position in `linux.devices`.
+    pub index: usize,
     /// The path in the container.
     pub path: String,
     pub kind: NodeKind,
@@ -97,7 +101,8 @@ pub fn spec_devices(spec: &Value) -> Result<Vec<SpecDevice>, DevicesError> {
         .cloned()
         .unwrap_or_default();
     list.iter()
-        .map(|d| {
+        .enumerate()
+        .map(|(index, d)| {
             let path = d["path"]
                 .as_str()
                 .filter(|p| p.starts_with('/'))
@@ -121,6 +126,7 @@ pub fn spec_devices(spec: &Value) -> Result<Vec<SpecDevice>, DevicesError> {
             let (major, minor) = (number("major")?, number("minor")?);
             let access = access(&rules, kind, major, minor);
             Ok(SpecDevice {
+                index,
                 path,
                 kind,
                 major,
@@ -160,7 +166,7 @@ fn access(rules: &[Value], kind: NodeKind, major: u32, minor: u32) -> Access {
 /// What the VM does with `d`, or why it cannot have it. `pod_has_vfio`: whether the pod's VM
 /// got VFIO devices at boot.
 pub fn classify(d: &SpecDevice, pod_has_vfio: bool) -> Result<DeviceClass, DevicesError> {
-    if d.path.starts_with(VFIO_DIR) {
+    if is_vfio(d) {
         return if pod_has_vfio {
             Ok(DeviceClass::Vfio)
         } else {
@@ -174,21 +180,82 @@ pub fn classify(d: &SpecDevice, pod_has_vfio: bool) -> Result<DeviceClass, Devic
     }
     match d.kind {
         NodeKind::Block => Ok(DeviceClass::Block),
-        NodeKind::Char => GUEST_OWN
-            .iter()
-            .find(|(ma, mi, _)| (*ma, *mi) == (d.major, d.minor))
-            .map(|(_, _, name)| DeviceClass::GuestOwn(name))
-            .ok_or_else(|| DevicesError::Refused {
-                device: d.to_string(),
-                why: "the guest kernel has no such character device (the guest gives its own \
+        NodeKind::Char => {
+            guest_own_char(d)
+                .map(DeviceClass::GuestOwn)
+                .ok_or_else(|| DevicesError::Refused {
+                    device: d.to_string(),
+                    why: "the guest kernel has no such character device (the guest gives its own \
                       null, zero, full, random, urandom, tty, ptmx and fuse; a host character \
                       device cannot cross into the VM)"
-                    .into(),
-            }),
+                        .into(),
+                })
+        }
     }
 }
 
-/// Removes the devices at `paths` and the allow rules that name their numbers from `spec`.
+/// The capability containerd's privileged spec has (all of them) and its default one has not.
+const SYS_ADMIN: &str = "CAP_SYS_ADMIN";
+
+/// Whether `spec` is a privileged container as containerd writes one. For
+/// `securityContext.privileged` its CRI (1.6, 1.7 and 2.x alike) applies `oci.WithPrivileged`
+/// (every capability containerd has, no masked or read-only paths, /sys and cgroupfs
+/// read-write, no seccomp or AppArmor profile) and then, unless the runtime handler sets
+/// `privileged_without_host_devices`, `oci.WithHostDevices` (a `linux.devices` entry for every
+/// node of the host's `/dev`, after the ones CRI's `devices` asked for) and
+/// `oci.WithAllDevicesAllowed` (one rule allowing every device `rwm`; 1.7 and later also with
+/// `privileged_without_host_devices_all_devices_allowed`). What this looks at is what matters
+/// for devices: the rules end allowing every device, and the bounding set holds
+/// `CAP_SYS_ADMIN`. A privileged container without the allow-all rule
+/// (`privileged_without_host_devices` alone) has only the devices CRI asked for, which are
+/// handled as any container's.
+pub fn is_privileged(spec: &Value) -> bool {
+    let rules = spec
+        .pointer("/linux/resources/devices")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let mut all_allowed = false;
+    for r in rules {
+        let any = |field: &str| match r.get(field) {
+            None | Some(Value::Null) => true,
+            Some(v) => v.as_i64() == Some(-1),
+        };
+        let every_device =
+            matches!(r["type"].as_str(), None | Some("a")) && any("major") && any("minor");
+        if !r["allow"].as_bool().unwrap_or(false) {
+            // Any deny after the allow-all rule takes "every device" back.
+            all_allowed = false;
+        } else if every_device {
+            let access = r["access"].as_str().unwrap_or("rwm");
+            all_allowed = ['r', 'w', 'm'].iter().all(|c| access.contains(*c));
+        }
+    }
+    let sys_admin = spec
+        .pointer("/process/capabilities/bounding")
+        .and_then(Value::as_array)
+        .is_some_and(|caps| caps.iter().any(|c| c.as_str() == Some(SYS_ADMIN)));
+    all_allowed && sys_admin
+}
+
+/// Whether the guest kernel has character device `d` itself (by its fixed numbers).
+pub fn guest_own_char(d: &SpecDevice) -> Option<&'static str> {
+    if d.kind != NodeKind::Char {
+        return None;
+    }
+    GUEST_OWN
+        .iter()
+        .find(|(ma, mi, _)| (*ma, *mi) == (d.major, d.minor))
+        .map(|(_, _, name)| *name)
+}
+
+/// Whether `d` is a VFIO node (`/dev/vfio/...`).
+pub fn is_vfio(d: &SpecDevice) -> bool {
+    d.path.starts_with(VFIO_DIR)
+}
+
+/// Removes the `removed` entries (by their position and path) from `spec`, and the allow rules
+/// that name their numbers unless an entry that stays has the same numbers.
 pub fn remove_devices(spec: &mut Value, removed: &[SpecDevice]) {
     if removed.is_empty() {
         return;
@@ -196,8 +263,28 @@ pub fn remove_devices(spec: &mut Value, removed: &[SpecDevice]) {
     let Some(linux) = spec.get_mut("linux").and_then(Value::as_object_mut) else {
         return;
     };
+    let numbers = |d: &Value| {
+        (
+            d["type"]
+                .as_str()
+                .map(|t| if t == "u" { "c" } else { t })
+                .map(str::to_string),
+            d["major"].as_u64(),
+            d["minor"].as_u64(),
+        )
+    };
+    let mut kept = Vec::new();
     if let Some(list) = linux.get_mut("devices").and_then(Value::as_array_mut) {
-        list.retain(|d| !removed.iter().any(|r| d["path"].as_str() == Some(&r.path)));
+        let old = std::mem::take(list);
+        for (i, d) in old.into_iter().enumerate() {
+            let gone = removed
+                .iter()
+                .any(|r| r.index == i && d["path"].as_str() == Some(&r.path));
+            if !gone {
+                kept.push(numbers(&d));
+                list.push(d);
+            }
+        }
     }
     if let Some(rules) = linux
         .get_mut("resources")
@@ -205,11 +292,12 @@ pub fn remove_devices(spec: &mut Value, removed: &[SpecDevice]) {
         .and_then(Value::as_array_mut)
     {
         rules.retain(|rule| {
-            !removed.iter().any(|r| {
+            let named = removed.iter().any(|r| {
                 rule["major"].as_u64() == Some(u64::from(r.major))
                     && rule["minor"].as_u64() == Some(u64::from(r.minor))
                     && rule["type"].as_str() == Some(r.kind.letter())
-            })
+            });
+            !named || kept.contains(&numbers(rule))
         });
     }
 }
@@ -284,6 +372,83 @@ mod tests {
         let e = classify(&ds[4], false).unwrap_err().to_string();
         assert!(e.contains("/dev/vfio/7 (c 242:0)"), "{e}");
         assert_eq!(classify(&ds[4], true).unwrap(), DeviceClass::Vfio);
+    }
+
+    /// The parts of a privileged spec containerd writes that [`is_privileged`] reads: the
+    /// devices CRI asked for first, then the host's /dev; one rule allowing every device.
+    fn privileged_spec() -> Value {
+        json!({
+            "process": {"capabilities": {
+                "bounding": ["CAP_CHOWN", "CAP_SYS_ADMIN", "CAP_MKNOD", "CAP_BPF"],
+                "effective": ["CAP_CHOWN", "CAP_SYS_ADMIN", "CAP_MKNOD", "CAP_BPF"],
+                "permitted": ["CAP_CHOWN", "CAP_SYS_ADMIN", "CAP_MKNOD", "CAP_BPF"]}},
+            "linux": {
+                "devices": [
+                    {"path": "/dev/xvda", "type": "b", "major": 7, "minor": 0},
+                    {"path": "/dev/autofs", "type": "c", "major": 10, "minor": 235},
+                    {"path": "/dev/kvm", "type": "c", "major": 10, "minor": 232},
+                    {"path": "/dev/null", "type": "c", "major": 1, "minor": 3},
+                    {"path": "/dev/loop0", "type": "b", "major": 7, "minor": 0},
+                    {"path": "/dev/sda", "type": "b", "major": 8, "minor": 0},
+                    {"path": "/dev/vfio/vfio", "type": "c", "major": 10, "minor": 196}
+                ],
+                "resources": {"devices": [{"allow": true, "access": "rwm"}]}
+            }
+        })
+    }
+
+    #[test]
+    fn recognises_privileged_specs_as_containerd_writes_them() {
+        let p = privileged_spec();
+        assert!(is_privileged(&p));
+        // containerd leaves the numbers out; other writers spell "any" as -1 or null.
+        let mut q = p.clone();
+        q["linux"]["resources"]["devices"] =
+            json!([{"allow": true, "type": "a", "major": -1, "minor": null, "access": "rwm"}]);
+        assert!(is_privileged(&q));
+        // The default rules (deny all, allow some): not privileged.
+        let mut q = p.clone();
+        q["linux"]["resources"]["devices"] = json!([{"allow": false, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rwm"}]);
+        assert!(!is_privileged(&q));
+        // A deny after the allow-all, or an allow-all without mknod: not every device.
+        let mut q = p.clone();
+        q["linux"]["resources"]["devices"] = json!([{"allow": true, "access": "rwm"},
+            {"allow": false, "type": "b", "major": 8, "access": "rwm"}]);
+        assert!(!is_privileged(&q));
+        let mut q = p.clone();
+        q["linux"]["resources"]["devices"] = json!([{"allow": true, "access": "rw"}]);
+        assert!(!is_privileged(&q));
+        // Every device allowed but not the capabilities of a privileged container.
+        let mut q = p.clone();
+        q["process"]["capabilities"]["bounding"] = json!(["CAP_CHOWN", "CAP_MKNOD"]);
+        assert!(!is_privileged(&q));
+        assert!(!is_privileged(&json!({})));
+        assert!(!is_privileged(&spec()));
+    }
+
+    #[test]
+    fn removes_by_position_and_keeps_rules_of_numbers_still_used() {
+        let mut s = json!({"linux": {
+            "devices": [
+                {"path": "/dev/xvda", "type": "b", "major": 7, "minor": 0},
+                {"path": "/dev/xvda", "type": "b", "major": 8, "minor": 0},
+                {"path": "/dev/loop0", "type": "b", "major": 7, "minor": 0}
+            ],
+            "resources": {"devices": [
+                {"allow": true, "type": "b", "major": 7, "minor": 0, "access": "rwm"},
+                {"allow": true, "type": "b", "major": 8, "minor": 0, "access": "rwm"}]}}});
+        let ds = spec_devices(&s).unwrap();
+        // The second /dev/xvda and /dev/loop0 go; /dev/xvda (7:0) keeps its rule.
+        remove_devices(&mut s, &[ds[1].clone(), ds[2].clone()]);
+        assert_eq!(
+            s["linux"]["devices"],
+            json!([{"path": "/dev/xvda", "type": "b", "major": 7, "minor": 0}])
+        );
+        assert_eq!(
+            s["linux"]["resources"]["devices"],
+            json!([{"allow": true, "type": "b", "major": 7, "minor": 0, "access": "rwm"}])
+        );
     }
 
     #[test]

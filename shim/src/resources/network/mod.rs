@@ -1,4 +1,4 @@
-//! The pod network's host side (design.md 4c, Kata's "tcfilter" model).
+//! The pod network's host side (Kata's "tcfilter" model).
 //!
 //! containerd runs CNI in the pod's network namespace before the sandbox task exists and passes
 //! the netns path in the sandbox spec. [`setup`] enters that netns on a dedicated thread (never a

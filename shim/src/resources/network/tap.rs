@@ -160,6 +160,20 @@ async fn acked(handle: &Handle, msg: RouteNetlinkMessage) -> Result<(), rtnetlin
     Ok(())
 }
 
+/// A delete that found its object gone (the link, ENODEV, or the qdisc or filter, ENOENT) has
+/// nothing left to do: the link can vanish between our lookup and the delete (its netns being
+/// torn down, a CNI DEL racing a crashed shim's reclaim).
+fn already_gone_is_done(result: Result<(), rtnetlink::Error>) -> Result<(), rtnetlink::Error> {
+    match result {
+        Err(rtnetlink::Error::NetlinkError(e))
+            if matches!(-e.raw_code(), libc::ENODEV | libc::ENOENT) =>
+        {
+            Ok(())
+        }
+        other => other,
+    }
+}
+
 /// Removes what the record says was added, skipping what is gone already.
 pub(super) async fn undo_links(handle: &Handle, links: &[UndoLink]) -> Result<(), NetworkError> {
     for link in links {
@@ -199,12 +213,13 @@ pub(super) async fn undo_links(handle: &Handle, links: &[UndoLink]) -> Result<()
                         major: 0xffff,
                         minor: 0,
                     };
-                    acked(handle, RouteNetlinkMessage::DelQueueDiscipline(msg))
-                        .await
-                        .map_err(nl(format!(
-                            "{}: deleting the ingress qdisc",
-                            link.cni_interface
-                        )))?;
+                    already_gone_is_done(
+                        acked(handle, RouteNetlinkMessage::DelQueueDiscipline(msg)).await,
+                    )
+                    .map_err(nl(format!(
+                        "{}: deleting the ingress qdisc",
+                        link.cni_interface
+                    )))?;
                 }
             }
             IngressQdisc::Existing => {
@@ -226,12 +241,13 @@ pub(super) async fn undo_links(handle: &Handle, links: &[UndoLink]) -> Result<()
                     let mut msg = TcMessage::with_index(index as i32);
                     msg.header.parent = INGRESS_PARENT;
                     msg.header.info = (u32::from(FILTER_PRIORITY) << 16) | u32::from(PROTOCOL_ALL);
-                    acked(handle, RouteNetlinkMessage::DelTrafficFilter(msg))
-                        .await
-                        .map_err(nl(format!(
-                            "{}: deleting our ingress filter",
-                            link.cni_interface
-                        )))?;
+                    already_gone_is_done(
+                        acked(handle, RouteNetlinkMessage::DelTrafficFilter(msg)).await,
+                    )
+                    .map_err(nl(format!(
+                        "{}: deleting our ingress filter",
+                        link.cni_interface
+                    )))?;
                 }
             }
         }
@@ -246,5 +262,21 @@ mod tests {
     #[test]
     fn protocol_all_is_eth_p_all_in_network_order() {
         assert_eq!(PROTOCOL_ALL.to_ne_bytes(), [0x00, 0x03]);
+    }
+
+    fn netlink_error(errno: i32) -> rtnetlink::Error {
+        let mut e = rtnetlink::packet_core::ErrorMessage::default();
+        e.code = std::num::NonZeroI32::new(-errno);
+        rtnetlink::Error::NetlinkError(e)
+    }
+
+    #[test]
+    fn a_delete_that_finds_its_link_or_object_gone_is_done_and_others_fail() {
+        // The CI failure this guards: a crashed shim's reclaim failed on "deleting the ingress
+        // qdisc: No such device" and left the pod's share, cgroup and socket behind.
+        assert!(already_gone_is_done(Err(netlink_error(libc::ENODEV))).is_ok());
+        assert!(already_gone_is_done(Err(netlink_error(libc::ENOENT))).is_ok());
+        assert!(already_gone_is_done(Err(netlink_error(libc::EPERM))).is_err());
+        assert!(already_gone_is_done(Ok(())).is_ok());
     }
 }

@@ -9,7 +9,7 @@ use std::thread;
 use std::time::Duration;
 
 use super::process::VmPaths;
-use super::{disk_fd, Accel, QemuConfig, DEFAULT_HZ, NIC_FD_BASE};
+use super::{disk_fd, Accel, QemuConfig, CONSOLE_FD, DEFAULT_HZ, NIC_FD_BASE};
 
 /// `console=ttyS0 reboot=t panic=-1 tsc_early_khz=… lpj=…` plus the caller's extra.
 ///
@@ -61,7 +61,9 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
         "socket,id=vsock,path={}",
         qemu_opt_escape(&paths.vhost_socket)
     );
-    let serial = format!("file:{}", paths.console_log.display());
+    // The serial goes to a socket whose other end the shim reads into a bounded log
+    // (process.rs `ConsolePump`): a `file:` chardev would grow without bound.
+    let console = format!("socket,id=console,fd={CONSOLE_FD}");
     let kernel = cfg.kernel.display().to_string();
     let initrd = cfg.initrd.display().to_string();
     push(&[
@@ -124,7 +126,16 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
         push(&["-device", "virtio-balloon-device,free-page-reporting=on"]);
     }
     push(&[
-        "-serial", &serial, "-kernel", &kernel, "-initrd", &initrd, "-append", cmdline,
+        "-chardev",
+        &console,
+        "-serial",
+        "chardev:console",
+        "-kernel",
+        &kernel,
+        "-initrd",
+        &initrd,
+        "-append",
+        cmdline,
     ]);
     args
 }

@@ -31,9 +31,13 @@ pub struct QemuConfig {
     pub guest_cid: u32,
     /// Default [`Accel::Auto`].
     pub accel: Accel,
-    /// Where the guest's serial console goes; kept after the VM ends. `None`: a file in the work
-    /// dir, removed with the VM.
+    /// Where the guest's serial console goes (with `<path>.1`, a bounded pair:
+    /// `vmm::console_log`); kept after the VM ends. `None`: a file in the work dir, removed
+    /// with the VM.
     pub console_log: Option<PathBuf>,
+    /// The bound of the console log pair in bytes (default
+    /// `vmm::console_log::DEFAULT_CONSOLE_LOG_BYTES`).
+    pub console_log_bytes: u64,
     /// How long [`QemuVm::start`] waits for the guest's first console output (default 60 s).
     pub start_timeout: Duration,
     /// A host directory exported to the guest over virtio-fs (served by `virtiofsd`).
@@ -88,6 +92,10 @@ pub const NIC_FD_BASE: RawFd = 100;
 /// At most this many NICs.
 pub const MAX_NICS: usize = 8;
 
+/// The fd number QEMU finds its end of the console socket at (`-chardev socket,fd=`), after
+/// the disks' range.
+pub const CONSOLE_FD: RawFd = NIC_FD_BASE + (MAX_NICS + MAX_DISKS) as RawFd;
+
 /// A directory the guest mounts with `mount -t virtiofs <tag> <dir>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QemuSharedFs {
@@ -120,6 +128,7 @@ impl QemuConfig {
             guest_cid: 3,
             accel: Accel::Auto,
             console_log: None,
+            console_log_bytes: vmm::console_log::DEFAULT_CONSOLE_LOG_BYTES,
             start_timeout: Duration::from_secs(60),
             shared_fs: None,
             nics: Vec::new(),

@@ -31,11 +31,12 @@ mod process;
 pub use cmdline::host_tsc_khz;
 use cmdline::{kernel_cmdline, qemu_args};
 pub use config::{
-    disk_fd, QemuConfig, QemuDisk, QemuNic, QemuSharedFs, DEFAULT_VIRTIOFSD, MAX_DISKS, MAX_NICS,
-    NIC_FD_BASE,
+    disk_fd, QemuConfig, QemuDisk, QemuNic, QemuSharedFs, CONSOLE_FD, DEFAULT_VIRTIOFSD, MAX_DISKS,
+    MAX_NICS, NIC_FD_BASE,
 };
 use process::{
-    create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file, terminate, VmPaths,
+    create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file, terminate,
+    ConsolePump, VmPaths,
 };
 /// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -47,6 +48,8 @@ const BACKEND_SOCKET_TIMEOUT: Duration = Duration::from_secs(10);
 const TERM_GRACE: Duration = Duration::from_secs(3);
 /// Lines of stderr / console carried in errors.
 const TAIL_LINES: usize = 20;
+/// Bytes of the console's end read for an error message.
+const CONSOLE_TAIL_BYTES: usize = 4096;
 /// The kernel's default `CONFIG_HZ` (Kconfig `HZ_250`), used when the kernel's config is not
 /// found beside it.
 const DEFAULT_HZ: u64 = 250;
@@ -76,7 +79,7 @@ pub fn default_vhost_vsock_binary() -> PathBuf {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {
     /// KVM where it rests on VMX/SVM (on bare metal, nested, or SVM emulated by QEMU's TCG one
-    /// level down), TCG otherwise: kvm-pvm cannot boot a stock Linux guest (design.md 3b).
+    /// level down), TCG otherwise: kvm-pvm cannot boot a stock Linux guest.
     Auto,
     /// `-accel kvm -cpu host`.
     Kvm,
@@ -216,6 +219,8 @@ pub struct QemuVm {
     backend_binary: PathBuf,
     virtiofsd_binary: PathBuf,
     paths: VmPaths,
+    /// The copy of the guest's console into its bounded log, once QEMU is started.
+    console: Option<ConsolePump>,
     exit_status: Option<ExitStatus>,
     cmdline: String,
     qemu_args: Vec<String>,
@@ -235,6 +240,7 @@ impl QemuVm {
             backend_binary: cfg.vhost_vsock_binary.clone(),
             virtiofsd_binary: cfg.virtiofsd_binary.clone(),
             paths,
+            console: None,
             exit_status: None,
             cmdline: kernel_cmdline(&cfg),
             qemu_args: Vec::new(),
@@ -339,8 +345,10 @@ impl QemuVm {
     }
 
     fn start_qemu(&mut self, cfg: &QemuConfig) -> Result<(), QemuError> {
-        // Truncate (or create) the console log so "the guest wrote something" is well defined.
-        create_file(&self.paths.console_log)?;
+        // A fresh console log, so "the guest wrote something" is well defined.
+        let console = ConsolePump::start(&self.paths.console_log, cfg.console_log_bytes)?;
+        let console_fd = console.qemu_fd();
+        let console = self.console.insert(console);
         let stderr = create_file(&self.paths.qemu_stderr)?;
         self.qemu_args = qemu_args(cfg, &self.paths, &self.cmdline);
         let mut cmd = Command::new(&cfg.qemu_binary);
@@ -348,18 +356,18 @@ impl QemuVm {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
-        pass_fds(&mut cmd, &cfg.nics, &cfg.disks);
-        self.qemu = Some(spawn_tied_to_parent(&mut cmd, &cfg.qemu_binary)?);
+        pass_fds(&mut cmd, &cfg.nics, &cfg.disks, console_fd);
+        let spawned = spawn_tied_to_parent(&mut cmd, &cfg.qemu_binary);
+        // QEMU has its own copy now (or never will): ours would keep the copy from ending.
+        console.release_qemu_end();
+        self.qemu = Some(spawned?);
         Ok(())
     }
 
     fn wait_for_first_output(&mut self, timeout: Duration) -> Result<(), QemuError> {
         let deadline = Instant::now() + timeout;
         loop {
-            let written = fs::metadata(&self.paths.console_log)
-                .map(|m| m.len() > 0)
-                .unwrap_or(false);
-            if written {
+            if self.console.as_ref().is_some_and(|c| c.bytes() > 0) {
                 return Ok(());
             }
             if let Some(status) = self.try_wait_qemu()? {
@@ -367,7 +375,7 @@ impl QemuVm {
                     binary: self.qemu_binary.clone(),
                     status,
                     stderr: tail_of_file(&self.paths.qemu_stderr, TAIL_LINES),
-                    console: tail_of_file(&self.paths.console_log, TAIL_LINES),
+                    console: self.console_tail(TAIL_LINES),
                 });
             }
             if Instant::now() >= deadline {
@@ -391,9 +399,13 @@ impl QemuVm {
     pub fn wait_for_console(&mut self, needle: &str, timeout: Duration) -> Result<(), QemuError> {
         let deadline = Instant::now() + timeout;
         loop {
-            let found = fs::read(&self.paths.console_log)
-                .map(|b| String::from_utf8_lossy(&b).contains(needle))
-                .unwrap_or(false);
+            // The whole log pair: it is bounded.
+            let previous = vmm::console_log::previous_path(&self.paths.console_log);
+            let found = [&previous, &self.paths.console_log].iter().any(|p| {
+                fs::read(p)
+                    .map(|b| String::from_utf8_lossy(&b).contains(needle))
+                    .unwrap_or(false)
+            });
             if found {
                 return Ok(());
             }
@@ -402,14 +414,14 @@ impl QemuVm {
                     binary: self.qemu_binary.clone(),
                     status,
                     needle: needle.to_string(),
-                    console: tail_of_file(&self.paths.console_log, TAIL_LINES),
+                    console: self.console_tail(TAIL_LINES),
                 });
             }
             if Instant::now() >= deadline {
                 return Err(QemuError::ConsoleTimeout {
                     needle: needle.to_string(),
                     timeout,
-                    console: tail_of_file(&self.paths.console_log, TAIL_LINES),
+                    console: self.console_tail(TAIL_LINES),
                 });
             }
             thread::sleep(Duration::from_millis(20));
@@ -421,14 +433,15 @@ impl QemuVm {
         &self.paths.vsock_uds
     }
 
-    /// The file the guest's serial console is written to.
+    /// The file the guest's serial console is written to (the newer of a bounded pair:
+    /// `vmm::console_log`).
     pub fn console_log_path(&self) -> &Path {
         &self.paths.console_log
     }
 
-    /// The last `lines` lines of the guest console.
+    /// The last `lines` lines of the guest console (read from its end, bounded).
     pub fn console_tail(&self, lines: usize) -> String {
-        tail_of_file(&self.paths.console_log, lines)
+        vmm::console_log::tail(&self.paths.console_log, CONSOLE_TAIL_BYTES, lines)
     }
 
     /// The last `lines` lines of QEMU's stderr.
@@ -555,6 +568,8 @@ impl Drop for QemuVm {
         {
             kill_and_reap(child);
         }
+        // Its copy ends with QEMU; before the files go, so that it creates none again.
+        drop(self.console.take());
         self.paths.remove_all();
     }
 }
@@ -756,6 +771,34 @@ mod tests {
         );
         paths.remove_all();
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_console_pump_keeps_a_flood_within_its_bound_and_drains_at_eof() {
+        use std::io::Write;
+        let d = temp_dir("pump");
+        let path = d.join("console.log");
+        let bound = 16 << 10;
+        let mut pump = ConsolePump::start(&path, bound).unwrap();
+        let mut qemu = pump.qemu_end_for_test();
+        pump.release_qemu_end();
+        assert_eq!(pump.qemu_fd(), -1);
+        for i in 0..5000 {
+            writeln!(qemu, "flood line {i:05} xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").unwrap();
+        }
+        // QEMU gone: EOF. Dropping the pump waits for the copy of what was left.
+        drop(qemu);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pump.bytes() < 5000 * 50 && Instant::now() < deadline {
+            thread::sleep(POLL);
+        }
+        drop(pump);
+        let previous = vmm::console_log::previous_path(&path);
+        let size = |p: &Path| fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        assert!(size(&path) + size(&previous) <= bound);
+        let tail = vmm::console_log::tail(&path, 4096, 1);
+        assert!(tail.starts_with("flood line 04999"), "{tail}");
+        let _ = fs::remove_dir_all(&d);
     }
 
     #[test]

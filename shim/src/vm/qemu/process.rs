@@ -1,19 +1,29 @@
 //! The QEMU backend's processes and files: the work dir's sockets and logs ([`VmPaths`]),
-//! children tied to the spawning thread, and their bounded termination.
+//! the guest console's copy into a bounded log ([`ConsolePump`]), children tied to the
+//! spawning thread, and their bounded termination.
 
 use std::fs::{self, File};
-use std::io;
+use std::io::{self, Read, Write};
+use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
-use std::thread;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use vmm::console_log::ConsoleLog;
 
 use super::{
-    disk_fd, QemuConfig, QemuDisk, QemuError, QemuNic, MAX_DISKS, MAX_NICS, MAX_SOCKET_PATH,
-    NIC_FD_BASE, POLL, TERM_GRACE,
+    disk_fd, QemuConfig, QemuDisk, QemuError, QemuNic, CONSOLE_FD, MAX_DISKS, MAX_NICS,
+    MAX_SOCKET_PATH, NIC_FD_BASE, POLL, TERM_GRACE,
 };
+
+/// How long a dropped [`ConsolePump`] lets its thread copy what QEMU left in the socket.
+const CONSOLE_DRAIN: Duration = Duration::from_secs(1);
 
 /// The files of one VM in its work dir.
 #[derive(Debug, Clone)]
@@ -100,8 +110,10 @@ impl VmPaths {
             &self.backend_stderr,
             &self.virtiofsd_stderr,
         ];
+        let previous_console = vmm::console_log::previous_path(&self.console_log);
         if self.console_is_ours {
             files.push(&self.console_log);
+            files.push(&previous_console);
         }
         for f in files {
             let _ = fs::remove_file(f);
@@ -113,6 +125,101 @@ impl VmPaths {
     }
 }
 
+/// The guest's serial console under QEMU: QEMU writes it to its end of a socket pair
+/// (`-chardev socket,fd=`[`CONSOLE_FD`]), and a thread copies the other end into a bounded
+/// [`ConsoleLog`], so a guest flooding its console keeps the host's disk use fixed. The thread
+/// ends at the socket's EOF (QEMU gone) or when the pump is dropped.
+#[derive(Debug)]
+pub(super) struct ConsolePump {
+    /// QEMU's end, until it has been handed to QEMU.
+    qemu_end: Option<UnixStream>,
+    /// A handle on our end, to end a copy that QEMU's exit did not end.
+    ours: UnixStream,
+    bytes: Arc<AtomicU64>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ConsolePump {
+    /// Creates the console log at `path` (at most `max_bytes`) and starts the copy.
+    pub(super) fn start(path: &Path, max_bytes: u64) -> Result<Self, QemuError> {
+        let create_err = |source| QemuError::CreateFile {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut log = ConsoleLog::create(path, max_bytes).map_err(create_err)?;
+        let (ours, qemu_end) = UnixStream::pair().map_err(create_err)?;
+        let mut reader = ours.try_clone().map_err(create_err)?;
+        let bytes = Arc::new(AtomicU64::new(0));
+        let counted = bytes.clone();
+        let thread = thread::Builder::new()
+            .name("microvm-console".into())
+            .spawn(move || {
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    let n = match reader.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(_) => break,
+                    };
+                    if let Err(e) = log.write_all(&buf[..n]) {
+                        vmm::limited!(log::Level::Warn, "writing the guest console log: {e}");
+                    }
+                    counted.fetch_add(n as u64, Ordering::Relaxed);
+                }
+            })
+            .map_err(create_err)?;
+        Ok(ConsolePump {
+            qemu_end: Some(qemu_end),
+            ours,
+            bytes,
+            thread: Some(thread),
+        })
+    }
+
+    /// QEMU's end, to pass as [`CONSOLE_FD`] (-1 once released).
+    pub(super) fn qemu_fd(&self) -> RawFd {
+        self.qemu_end.as_ref().map_or(-1, AsRawFd::as_raw_fd)
+    }
+
+    /// Closes our copy of QEMU's end once QEMU holds its own: its exit then ends the copy.
+    pub(super) fn release_qemu_end(&mut self) {
+        self.qemu_end = None;
+    }
+
+    /// Bytes the guest has written to its console so far.
+    pub(super) fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// A copy of QEMU's end, for a test to write as QEMU would.
+    #[cfg(test)]
+    pub(super) fn qemu_end_for_test(&self) -> UnixStream {
+        self.qemu_end
+            .as_ref()
+            .expect("not released")
+            .try_clone()
+            .expect("dup")
+    }
+}
+
+impl Drop for ConsolePump {
+    fn drop(&mut self) {
+        self.qemu_end = None;
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        // QEMU is gone when its VM is dropped: what it left is copied, then EOF ends the
+        // thread. A copy still running after the grace is ended.
+        let deadline = Instant::now() + CONSOLE_DRAIN;
+        while !thread.is_finished() && Instant::now() < deadline {
+            thread::sleep(POLL);
+        }
+        let _ = self.ours.shutdown(Shutdown::Both);
+        let _ = thread.join();
+    }
+}
+
 pub(super) fn create_file(path: &Path) -> Result<File, QemuError> {
     File::create(path).map_err(|source| QemuError::CreateFile {
         path: path.to_path_buf(),
@@ -120,11 +227,11 @@ pub(super) fn create_file(path: &Path) -> Result<File, QemuError> {
     })
 }
 
-/// Gives the child the NICs' taps as fds [`NIC_FD_BASE`].. and the disks' files as fds
-/// [`disk_fd`]`(i)` (dup2 clears close-on-exec on the copy only; the shim's own fds stay
-/// close-on-exec).
-pub(super) fn pass_fds(cmd: &mut Command, nics: &[QemuNic], disks: &[QemuDisk]) {
-    const MAX: usize = MAX_NICS + MAX_DISKS;
+/// Gives the child the NICs' taps as fds [`NIC_FD_BASE`].., the disks' files as fds
+/// [`disk_fd`]`(i)` and `console` (unless negative) as [`CONSOLE_FD`] (dup2 clears
+/// close-on-exec on the copy only; the shim's own fds stay close-on-exec).
+pub(super) fn pass_fds(cmd: &mut Command, nics: &[QemuNic], disks: &[QemuDisk], console: RawFd) {
+    const MAX: usize = MAX_NICS + MAX_DISKS + 1;
     let mut pairs: Vec<(RawFd, RawFd)> = nics
         .iter()
         .enumerate()
@@ -136,13 +243,16 @@ pub(super) fn pass_fds(cmd: &mut Command, nics: &[QemuNic], disks: &[QemuDisk]) 
             .enumerate()
             .map(|(i, d)| (d.file.as_raw_fd(), disk_fd(i))),
     );
+    pairs.truncate(MAX - 1);
+    if console >= 0 {
+        pairs.push((console, CONSOLE_FD));
+    }
     if pairs.is_empty() {
         return;
     }
-    pairs.truncate(MAX);
     // SAFETY: the closure runs in the forked child before exec; fcntl and dup2 are
-    // async-signal-safe, the source fds are open (the `Arc`s in `nics` and `disks` outlive the
-    // spawn) and the vector was allocated before the fork, so nothing allocates or locks here.
+    // async-signal-safe, the source fds are open (the `Arc`s in `nics` and `disks`, and the
+    // console pump holding `console`, outlive the spawn) and the vector was allocated before the fork, so nothing allocates or locks here.
     unsafe {
         cmd.pre_exec(move || {
             // First above the target range (a source may sit where another copy goes, or at its

@@ -314,7 +314,8 @@ impl MmioTransport {
                     self.status = v;
                 } else {
                     // Leaving FEATURES_OK clear tells the driver the features were refused.
-                    log::warn!(
+                    crate::limited!(
+                        log::Level::Warn,
                         "virtio-mmio: refused features {:#x} (offered {avail:#x})",
                         self.acked_features
                     );
@@ -323,7 +324,7 @@ impl MmioTransport {
             (s, DRIVER_OK) if s == ACKNOWLEDGE | DRIVER | FEATURES_OK => {
                 self.status = v;
                 if let Err(e) = self.activate() {
-                    log::error!("virtio-mmio: activating device: {e}");
+                    crate::limited!(log::Level::Error, "virtio-mmio: activating device: {e}");
                     self.status |= DEVICE_NEEDS_RESET;
                     if let Err(e) = self.interrupt.trigger(super::INT_CONFIG) {
                         log::error!("virtio-mmio: raising interrupt: {e}");

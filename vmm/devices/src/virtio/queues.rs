@@ -65,7 +65,7 @@ where
         let head = chain.head_index();
         let len = serve(chain);
         if let Err(e) = q.add_used(mem, head, len) {
-            log::error!("{device}: used ring: {e}");
+            crate::limited!(log::Level::Error, "{device}: used ring: {e}");
         }
         used = true;
     }

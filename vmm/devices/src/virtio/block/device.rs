@@ -209,7 +209,7 @@ impl Server<'_> {
             RequestType::Out => (self.write(mem, req), 0),
             RequestType::Flush => match self.disk.as_ref().map(DiskFile::flush) {
                 Some(Err(e)) => {
-                    log::warn!("virtio-blk {:?}: flush: {e}", self.serial);
+                    crate::limited!(log::Level::Warn, "virtio-blk {:?}: flush: {e}", self.serial);
                     (status::IOERR, 0)
                 }
                 _ => (status::OK, 0),
@@ -241,7 +241,11 @@ impl Server<'_> {
         let mut done: u32 = 0;
         for seg in &req.data {
             if let Err(e) = disk.read_to_guest(mem, seg.addr, seg.len as usize, off) {
-                log::warn!("virtio-blk {:?}: read at {off}: {e}", self.serial);
+                crate::limited!(
+                    log::Level::Warn,
+                    "virtio-blk {:?}: read at {off}: {e}",
+                    self.serial
+                );
                 return (status::IOERR, done);
             }
             off += u64::from(seg.len);
@@ -263,7 +267,11 @@ impl Server<'_> {
         };
         for seg in &req.data {
             if let Err(e) = disk.write_from_guest(mem, seg.addr, seg.len as usize, off) {
-                log::warn!("virtio-blk {:?}: write at {off}: {e}", self.serial);
+                crate::limited!(
+                    log::Level::Warn,
+                    "virtio-blk {:?}: write at {off}: {e}",
+                    self.serial
+                );
                 return status::IOERR;
             }
             off += u64::from(seg.len);
@@ -331,7 +339,11 @@ impl Server<'_> {
             Ok(()) => status::OK,
             Err(BackingError::Unsupported) => status::UNSUPP,
             Err(e) => {
-                log::warn!("virtio-blk {:?}: discard/zeroes at {off}: {e}", self.serial);
+                crate::limited!(
+                    log::Level::Warn,
+                    "virtio-blk {:?}: discard/zeroes at {off}: {e}",
+                    self.serial
+                );
                 status::IOERR
             }
         }

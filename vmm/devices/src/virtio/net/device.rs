@@ -458,7 +458,7 @@ fn send_frame<B: NetBackend>(
 
 fn add_used(q: &mut Queue, mem: &GuestMemory, head: u16, len: u32) {
     if let Err(e) = q.add_used(mem, head, len) {
-        log::error!("virtio-net: used ring: {e}");
+        crate::limited!(log::Level::Error, "virtio-net: used ring: {e}");
     }
 }
 

@@ -119,7 +119,7 @@ impl Vsock {
                     // Unusable buffer: give it back empty.
                     log::debug!("vsock: bad RX buffer: {e}");
                     if let Err(e) = rxq.add_used(mem, head, 0) {
-                        log::error!("vsock: RX used ring: {e}");
+                        crate::limited!(log::Level::Error, "vsock: RX used ring: {e}");
                     }
                     used = true;
                     continue;
@@ -132,12 +132,12 @@ impl Vsock {
             let len = match buf.write(&pkt.hdr, &pkt.data) {
                 Ok(n) => n,
                 Err(e) => {
-                    log::error!("vsock: writing an RX packet: {e}");
+                    crate::limited!(log::Level::Error, "vsock: writing an RX packet: {e}");
                     0
                 }
             };
             if let Err(e) = rxq.add_used(mem, head, len) {
-                log::error!("vsock: RX used ring: {e}");
+                crate::limited!(log::Level::Error, "vsock: RX used ring: {e}");
             }
             used = true;
         }

@@ -332,7 +332,10 @@ impl VsockMuxer {
                 }
             };
             if self.conns.len() >= self.max_connections {
-                log::warn!("vsock: connection limit reached, refusing a host connection");
+                crate::limited!(
+                    log::Level::Warn,
+                    "vsock: connection limit reached, refusing a host connection"
+                );
                 // Dropping the stream closes it. Stop here so a flood cannot hold the loop.
                 return;
             }
@@ -442,7 +445,10 @@ impl VsockMuxer {
             .map(|(&t, _)| t)
             .collect();
         for t in expired {
-            log::info!("vsock: guest did not answer a connection request in time");
+            crate::limited!(
+                log::Level::Info,
+                "vsock: guest did not answer a connection request in time"
+            );
             self.kill(t, true);
         }
         self.arm_timer();
