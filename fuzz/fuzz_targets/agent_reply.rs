@@ -113,7 +113,7 @@ async fn agent(listener: UnixListener, answer: Answer) {
             payload,
         } => {
             let mut status = ttrpc::Status::new();
-            status.code = code.into();
+            status.code = protobuf::EnumOrUnknown::from_i32(code);
             status.message = message;
             let mut response = ttrpc::Response::new();
             if code != 0 {

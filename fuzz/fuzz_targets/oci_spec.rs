@@ -71,7 +71,8 @@ fuzz_target!(
         let config = Config::default();
         let mut t = Tape::new(data);
         let cri = t.bool();
-        let cid = String::from_utf8_lossy(t.bytes(usize::from(t.u8() % 80))).into_owned();
+        let cid_len = usize::from(t.u8() % 80);
+        let cid = String::from_utf8_lossy(t.bytes(cid_len)).into_owned();
         let sandbox_pid = t.u32();
         let body = t.rest();
         if cri {
