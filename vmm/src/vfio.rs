@@ -489,7 +489,6 @@ impl VfioPciDevice {
             }
         }
     }
-
 }
 
 /// KVM_SET_USER_MEMORY_REGION on the duplicated VM fd (size 0 deletes the slot).

@@ -215,7 +215,10 @@ mod tests {
         assert!(c.decodes(BarKind::Memory32 {
             prefetchable: false
         }));
-        assert_eq!(c.find_bar(BarSpace::Memory, 0xe000_0ffc, 4), Some((0, 0xffc)));
+        assert_eq!(
+            c.find_bar(BarSpace::Memory, 0xe000_0ffc, 4),
+            Some((0, 0xffc))
+        );
         assert!(c.write(0x40, &[1, 2, 3, 4]).forward);
         assert!(!c.write(0x100, &[1]).forward);
         assert!(!c.write(0x43, &[1, 2]).forward);

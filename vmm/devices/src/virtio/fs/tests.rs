@@ -517,8 +517,14 @@ fn the_guests_init_leaves_the_process_umask_alone() {
         g.init();
         // The guest's own umask (0 here) applies exactly: the reason for the passthrough's
         // umask(0), which must still hold on the serving thread.
-        g.create_with(ROOT_ID, "open", 0o666, (libc::O_RDWR | libc::O_CREAT) as u32, 0)
-            .unwrap();
+        g.create_with(
+            ROOT_ID,
+            "open",
+            0o666,
+            (libc::O_RDWR | libc::O_CREAT) as u32,
+            0,
+        )
+        .unwrap();
         host_mode(&shared.join("open"))
     })
     .join()
@@ -526,7 +532,10 @@ fn the_guests_init_leaves_the_process_umask_alone() {
     assert_eq!(host_mode & 0o777, 0o666);
     // SAFETY: as above; puts back the mask it reads.
     let now = unsafe { libc::umask(0o022) };
-    assert_eq!(now, 0o022, "the guest's INIT changed the process's umask to {now:o}");
+    assert_eq!(
+        now, 0o022,
+        "the guest's INIT changed the process's umask to {now:o}"
+    );
 }
 
 #[test]
