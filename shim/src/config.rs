@@ -19,13 +19,16 @@ pub const MAX_BLOCK_SLOTS: usize = 8;
 #[serde(rename_all = "lowercase")]
 pub enum Hypervisor {
     /// The embedded VMM where `microvm check-host` says the guest kernel boots under this
-    /// host's KVM, the QEMU backend elsewhere (`host_check::choose_backend`; the default).
+    /// host's KVM; elsewhere the QEMU backend where QEMU can use KVM, or on software emulation
+    /// (TCG) only with `allow_software_emulation`; else the pod fails with check-host's reason
+    /// (`host_check::choose_backend`; the default).
     #[default]
     Auto,
     /// The embedded VMM on /dev/kvm; a host that cannot boot the guest under it fails the pod
     /// at once with check-host's reason.
     Kvm,
-    /// Debian's QEMU `-M microvm` with vhost-device-vsock (TCG where KVM cannot boot the guest).
+    /// Debian's QEMU `-M microvm` with vhost-device-vsock, on KVM where QEMU can use it; on
+    /// software emulation (TCG) only with `allow_software_emulation`.
     Qemu,
 }
 
@@ -59,6 +62,10 @@ pub enum PageSharing {
 pub struct Config {
     /// The VM backend.
     pub hypervisor: Hypervisor,
+    /// Whether a pod may run under QEMU's software emulation (TCG) where this host's KVM
+    /// cannot run the guest. TCG is no security boundary (QEMU's own security policy), so it
+    /// is never chosen without this; each pod that runs on it logs a warning.
+    pub allow_software_emulation: bool,
     /// The guest kernel (uncompressed vmlinux).
     pub kernel: PathBuf,
     /// The initramfs with the agent as /init.
@@ -176,6 +183,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             hypervisor: Hypervisor::default(),
+            allow_software_emulation: false,
             kernel: PathBuf::from("/usr/share/microvm/vmlinux"),
             initrd: PathBuf::from("/usr/share/microvm/initrd.cpio"),
             boot_files: BootFiles::default(),
@@ -338,6 +346,14 @@ mod tests {
             assert_eq!(c.hypervisor, want, "{text}");
         }
         assert!(Config::parse("hypervisor = \"Auto\"\n").is_err());
+    }
+
+    #[test]
+    fn software_emulation_needs_the_opt_in() {
+        assert!(!Config::default().allow_software_emulation);
+        let c = Config::parse("allow_software_emulation = true\n").unwrap();
+        assert!(c.allow_software_emulation);
+        assert!(Config::parse("allow_software_emulation = \"yes\"\n").is_err());
     }
 
     #[test]

@@ -123,13 +123,16 @@ pub struct GuestNic {
     pub mtu: u16,
 }
 
-/// The programs the QEMU backend runs (the config's `[qemu]` table).
+/// The programs the QEMU backend runs (the config's `[qemu]` table) and how QEMU runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QemuPrograms {
     /// `qemu-system-x86_64` (looked up on PATH unless a path).
     pub qemu: PathBuf,
     /// `vhost-device-vsock`.
     pub vhost_vsock: PathBuf,
+    /// QEMU's accelerator, as `host_check::choose_backend` decided it (the default
+    /// [`Accel::Kvm`]: software emulation is chosen only there).
+    pub accel: Accel,
 }
 
 impl Default for QemuPrograms {
@@ -137,6 +140,7 @@ impl Default for QemuPrograms {
         QemuPrograms {
             qemu: PathBuf::from(qemu::DEFAULT_QEMU),
             vhost_vsock: qemu::default_vhost_vsock_binary(),
+            accel: Accel::Kvm,
         }
     }
 }
@@ -538,7 +542,7 @@ impl GuestVm {
         cfg.vcpus = u32::from(spec.vcpus);
         cfg.memory_mib = memory_mib;
         cfg.guest_cid = GUEST_CID;
-        cfg.accel = Accel::Auto;
+        cfg.accel = spec.qemu.accel;
         cfg.console_log = Some(console_log.to_path_buf());
         cfg.console_log_bytes = CONSOLE_LOG_BYTES;
         cfg.cmdline_extra = spec.cmdline_extra();

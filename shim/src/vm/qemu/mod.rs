@@ -22,8 +22,6 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::host_check::KvmKind;
-
 mod cmdline;
 mod config;
 mod process;
@@ -88,19 +86,11 @@ pub enum Accel {
 }
 
 impl Accel {
-    /// Resolves [`Accel::Auto`] for this host.
+    /// Resolves [`Accel::Auto`] for this host (`host_check::qemu_accel_for`).
     pub fn resolve(self) -> Accel {
         match self {
-            Accel::Auto => Accel::for_kvm_kind(crate::host_check::kvm_kind().0),
+            Accel::Auto => crate::host_check::qemu_accel_for(crate::host_check::kvm_kind().0),
             other => other,
-        }
-    }
-
-    /// What [`Accel::Auto`] means on a host with this kind of KVM.
-    fn for_kvm_kind(kind: KvmKind) -> Accel {
-        match kind {
-            KvmKind::Hardware | KvmKind::Nested | KvmKind::SvmEmulatedByQemuTcg => Accel::Kvm,
-            KvmKind::Pvm | KvmKind::Unknown | KvmKind::None => Accel::Tcg,
         }
     }
 }
@@ -578,6 +568,7 @@ impl Drop for QemuVm {
 mod tests {
     use super::cmdline::{kernel_hz, qemu_opt_escape};
     use super::*;
+    use crate::host_check::KvmKind;
 
     fn cfg_in(dir: &Path) -> QemuConfig {
         let kernel = dir.join("k");
@@ -609,7 +600,7 @@ mod tests {
             (KvmKind::Unknown, Accel::Tcg),
             (KvmKind::None, Accel::Tcg),
         ] {
-            assert_eq!(Accel::for_kvm_kind(kind), want, "{kind}");
+            assert_eq!(crate::host_check::qemu_accel_for(kind), want, "{kind}");
         }
         assert_eq!(Accel::Tcg.resolve(), Accel::Tcg);
         assert_eq!(Accel::Kvm.resolve(), Accel::Kvm);
