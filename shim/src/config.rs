@@ -168,6 +168,11 @@ pub struct QemuSettings {
     pub binary: PathBuf,
     /// The vhost-device-vsock binary.
     pub vhost_vsock_binary: PathBuf,
+    /// The first id of the uid/gid range the QEMU backend's guest-facing processes (QEMU,
+    /// vhost-device-vsock) run as: each pod's are `jail_id_base + its shim's pid`, a range of
+    /// `vm::qemu::JAIL_ID_RANGE` ids that need no passwd entry and that nothing else on the
+    /// node may use.
+    pub jail_id_base: u32,
 }
 
 impl Default for QemuSettings {
@@ -175,6 +180,7 @@ impl Default for QemuSettings {
         QemuSettings {
             binary: PathBuf::from(crate::vm::qemu::DEFAULT_QEMU),
             vhost_vsock_binary: crate::vm::qemu::default_vhost_vsock_binary(),
+            jail_id_base: crate::vm::qemu::DEFAULT_JAIL_ID_BASE,
         }
     }
 }
@@ -279,6 +285,14 @@ impl Config {
                  {MAX_BLOCK_SLOTS}"
             ));
         }
+        if crate::vm::qemu::jail_id(self.qemu.jail_id_base).is_none() {
+            return Err(format!(
+                "qemu.jail_id_base {} must be at least 1 and leave room for {} ids below {}",
+                self.qemu.jail_id_base,
+                crate::vm::qemu::JAIL_ID_RANGE,
+                u32::MAX
+            ));
+        }
         for (what, p) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
             if let Err(e) = std::fs::metadata(p) {
                 return Err(format!("{what} {}: {e}", p.display()));
@@ -346,6 +360,19 @@ mod tests {
             assert_eq!(c.hypervisor, want, "{text}");
         }
         assert!(Config::parse("hypervisor = \"Auto\"\n").is_err());
+    }
+
+    #[test]
+    fn jail_id_base_is_checked() {
+        assert_eq!(Config::default().qemu.jail_id_base, 2_000_000_000);
+        let c = Config::parse("[qemu]\njail_id_base = 300000000\n").unwrap();
+        assert_eq!(c.qemu.jail_id_base, 300_000_000);
+        for bad in [0, u32::MAX - 10] {
+            let c = Config::parse(&format!("[qemu]\njail_id_base = {bad}\n")).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.contains("jail_id_base"), "{e}");
+        }
+        assert!(Config::parse("[qemu]\njail_id_base = -1\n").is_err());
     }
 
     #[test]

@@ -133,6 +133,8 @@ pub struct QemuPrograms {
     /// QEMU's accelerator, as `host_check::choose_backend` decided it (the default
     /// [`Accel::Kvm`]: software emulation is chosen only there).
     pub accel: Accel,
+    /// The uid and gid QEMU and vhost-device-vsock run as (`qemu::QemuConfig::jail_id`).
+    pub jail_id: u32,
 }
 
 impl Default for QemuPrograms {
@@ -141,6 +143,8 @@ impl Default for QemuPrograms {
             qemu: PathBuf::from(qemu::DEFAULT_QEMU),
             vhost_vsock: qemu::default_vhost_vsock_binary(),
             accel: Accel::Kvm,
+            jail_id: qemu::jail_id(qemu::DEFAULT_JAIL_ID_BASE)
+                .expect("the default jail id range fits"),
         }
     }
 }
@@ -428,7 +432,17 @@ impl GuestVm {
         })?;
         let started_at = Instant::now();
         let console_log = console_log_in(&spec.work_dir);
-        let uds = spec.work_dir.join(VSOCK_UDS_NAME);
+        let uds = match backend {
+            Backend::Kvm => spec.work_dir.join(VSOCK_UDS_NAME),
+            // In a folder of its own, which the jailed vhost-device-vsock may write.
+            Backend::Qemu => qemu::vsock_uds_in(&spec.work_dir),
+        };
+        if let Some(dir) = uds.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| GuestVmError::WorkDir {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
         let result = ReadyListener::bind(&uds)
             .map_err(|source| GuestVmError::AgentNotReady {
                 source,
@@ -543,6 +557,7 @@ impl GuestVm {
         cfg.memory_mib = memory_mib;
         cfg.guest_cid = GUEST_CID;
         cfg.accel = spec.qemu.accel;
+        cfg.jail_id = spec.qemu.jail_id;
         cfg.console_log = Some(console_log.to_path_buf());
         cfg.console_log_bytes = CONSOLE_LOG_BYTES;
         cfg.cmdline_extra = spec.cmdline_extra();

@@ -16,7 +16,7 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
@@ -33,8 +33,8 @@ pub use config::{
     MAX_NICS, NIC_FD_BASE,
 };
 use process::{
-    create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file, terminate,
-    ConsolePump, VmPaths,
+    confine_helper, create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file,
+    terminate, ConsolePump, HelperIds, VmPaths,
 };
 /// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -54,6 +54,43 @@ const DEFAULT_HZ: u64 = 250;
 
 /// The QEMU binary, looked up on PATH.
 pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
+
+/// The first uid (and gid) of the range the QEMU backend's guest-facing processes run as
+/// (`[qemu] jail_id_base`): a process's VMs get `base + its pid` ([`jail_id`]). No passwd entry
+/// is needed; nothing else on the node may use the range.
+pub const DEFAULT_JAIL_ID_BASE: u32 = 2_000_000_000;
+
+/// How many ids the range holds: Linux's largest pid (`PID_MAX_LIMIT` on 64-bit), so that every
+/// shim process (one per pod) gets an id of its own.
+pub const JAIL_ID_RANGE: u32 = 1 << 22;
+
+/// The uid and gid of this process's VMs: `base` + this process's pid, so two pods' QEMUs never
+/// share an id (one shim process per pod). `None` when the range would pass `u32::MAX - 1`
+/// (`(uid_t)-1` means "unchanged" to the kernel) or `base` is 0.
+pub fn jail_id(base: u32) -> Option<u32> {
+    if base == 0 || base.checked_add(JAIL_ID_RANGE)? >= u32::MAX {
+        return None;
+    }
+    Some(base + std::process::id() % JAIL_ID_RANGE)
+}
+
+/// Where a VM started in `work_dir` has its hybrid-vsock socket: in a folder of its own that the
+/// jailed vhost-device-vsock may write (it binds its sockets there), so that nothing else in
+/// the work dir is writable by it. Listeners the caller binds at `<uds>_<port>` before
+/// [`QemuVm::start`] are handed to the VM's id when it starts.
+pub fn vsock_uds_in(work_dir: &Path) -> PathBuf {
+    work_dir.join(VSOCK_DIR).join("vsock.sock")
+}
+
+/// The folder of [`vsock_uds_in`].
+const VSOCK_DIR: &str = "vsock";
+
+/// QEMU's seccomp filter (`-sandbox`): the obsolete system calls, spawning processes and
+/// changing scheduling or resource limits are refused. `elevateprivileges=deny` is left out: it
+/// also refuses the set*id calls of QEMU's own `-runas`, which kill QEMU (SIGSYS) at its drop to
+/// the jail id; after that drop QEMU has no capability, every uid and gid it holds is the jail
+/// id and `no_new_privs` is set, so a set*id call can gain nothing.
+pub const QEMU_SANDBOX: &str = "on,obsolete=deny,spawn=deny,resourcecontrol=deny";
 
 /// The vhost-device-vsock version scripts/install-vhost-device-vsock.sh installs.
 pub const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
@@ -153,6 +190,12 @@ pub enum QemuError {
         timeout: Duration,
         console: String,
     },
+    #[error("cannot prepare {path} for the VM's jail id {id}: {source}")]
+    Jail {
+        path: PathBuf,
+        id: u32,
+        source: io::Error,
+    },
     #[error("cannot wait for {binary} (pid {pid}): {source}")]
     Wait {
         binary: PathBuf,
@@ -176,6 +219,8 @@ pub const VIRTIOFSD_MODCAPS: &str = "-mknod:-setfcap:-fsetid";
 /// - `modcaps`: [`VIRTIOFSD_MODCAPS`].
 /// - `no_xattr` (its default, made explicit): every SETXATTR is refused, `security.capability`
 ///   included. An `xattrmap` would turn xattrs on.
+/// - `--rlimit-nofile=0`: the limit the shim set is kept (its capability bounding set has no
+///   `CAP_SYS_RESOURCE`).
 ///
 /// What it cannot refuse: `chmod u+s`/`g+s` and set-ID modes at creation (docs/qemu-backend.md).
 pub fn virtiofsd_args(socket: &Path, source: &Path) -> Vec<std::ffi::OsString> {
@@ -195,6 +240,9 @@ pub fn virtiofsd_args(socket: &Path, source: &Path) -> Vec<std::ffi::OsString> {
         args.push("-o".into());
         args.push(opt.into());
     }
+    // The shim sets its file limit (process.rs VIRTIOFSD_MAX_FILES): raising it would need a
+    // capability it does not get.
+    args.push("--rlimit-nofile=0".into());
     args
 }
 
@@ -246,15 +294,26 @@ impl QemuVm {
     fn start_backend(&mut self, cfg: &QemuConfig) -> Result<(), QemuError> {
         let stderr = create_file(&self.paths.backend_stderr)?;
         let mut cmd = Command::new(&cfg.vhost_vsock_binary);
-        cmd.arg("--socket")
-            .arg(&self.paths.vhost_socket)
+        // Its paths relative to the vsock folder, its working directory (entered while still
+        // root): as the jail id it could not pass the shim's root-only folders above it.
+        // Its argv[0] names that folder, so that `ps` (and a search for the pod's processes by
+        // their command line) still tells which VM it serves.
+        let name = |p: &Path| p.file_name().map(PathBuf::from).unwrap_or_default();
+        cmd.arg0(self.paths.vsock_dir.join(name(&cfg.vhost_vsock_binary)))
+            .current_dir(&self.paths.vsock_dir)
+            .arg("--socket")
+            .arg(name(&self.paths.vhost_socket))
             .arg("--uds-path")
-            .arg(&self.paths.vsock_uds)
+            .arg(name(&self.paths.vsock_uds))
             .arg("--guest-cid")
             .arg(cfg.guest_cid.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        self.paths.hand_vsock_dir_to(cfg.jail_id)?;
+        // Before spawn_tied_to_parent's: its parent-death signal must come after the drop to
+        // the jail id, which would clear it.
+        confine_helper(&mut cmd, HelperIds::Jail(cfg.jail_id));
         self.backend = Some(spawn_tied_to_parent(&mut cmd, &cfg.vhost_vsock_binary)?);
         let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
         loop {
@@ -296,6 +355,15 @@ impl QemuVm {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(stderr);
+        // It stays root (serving the guest's files as their owners needs its kept
+        // capabilities) but gets no network, IPC or UTS namespace of the host's.
+        confine_helper(
+            &mut cmd,
+            HelperIds::Root {
+                bounding: process::VIRTIOFSD_BOUNDING,
+                max_files: process::VIRTIOFSD_MAX_FILES,
+            },
+        );
         self.virtiofsd = Some(spawn_tied_to_parent(&mut cmd, &cfg.virtiofsd_binary)?);
         let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
         loop {
@@ -873,5 +941,53 @@ mod tests {
         assert!(err.contains("/nonexistent/virtiofsd"), "{err}");
         assert!(!dir.join("w").exists());
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// The status lines of `cat /proc/self/status` run as a confined helper.
+    fn confined_status(ids: HelperIds) -> String {
+        let mut cmd = Command::new("cat");
+        cmd.arg("/proc/self/status").stderr(Stdio::piped());
+        confine_helper(&mut cmd, ids);
+        let out = cmd.output().expect("spawning cat");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    fn status_field<'a>(status: &'a str, name: &str) -> &'a str {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+            .unwrap()
+    }
+
+    #[test]
+    fn helpers_run_confined_as_asked() {
+        if !rustix::process::geteuid().is_root() {
+            // Needs root to change ids: tests/tests/cri_microvm_qemu_jail.rs checks the real
+            // helpers of a pod.
+            panic!("this test needs root");
+        }
+        let s = confined_status(HelperIds::Jail(2_000_000_123));
+        let ids = "2000000123\t2000000123\t2000000123\t2000000123";
+        assert_eq!(status_field(&s, "Uid"), ids);
+        assert_eq!(status_field(&s, "Gid"), ids);
+        assert_eq!(status_field(&s, "Groups"), "");
+        assert_eq!(status_field(&s, "CapEff"), "0000000000000000");
+        assert_eq!(status_field(&s, "NoNewPrivs"), "1");
+        let s = confined_status(HelperIds::Root {
+            bounding: process::VIRTIOFSD_BOUNDING,
+            max_files: 4096,
+        });
+        assert_eq!(status_field(&s, "Uid"), "0\t0\t0\t0");
+        assert_eq!(
+            u64::from_str_radix(status_field(&s, "CapBnd"), 16).unwrap(),
+            process::VIRTIOFSD_BOUNDING
+        );
+        assert_eq!(
+            u64::from_str_radix(status_field(&s, "CapEff"), 16).unwrap(),
+            process::VIRTIOFSD_BOUNDING
+        );
+        assert_eq!(status_field(&s, "NoNewPrivs"), "1");
     }
 }
