@@ -68,7 +68,7 @@ pub const JAIL_ID_RANGE: u32 = 1 << 22;
 /// share an id (one shim process per pod). `None` when the range would pass `u32::MAX - 1`
 /// (`(uid_t)-1` means "unchanged" to the kernel) or `base` is 0.
 pub fn jail_id(base: u32) -> Option<u32> {
-    if base == 0 || base.checked_add(JAIL_ID_RANGE)? >= u32::MAX {
+    if base == 0 || base.checked_add(JAIL_ID_RANGE)? == u32::MAX {
         return None;
     }
     Some(base + std::process::id() % JAIL_ID_RANGE)
@@ -901,8 +901,9 @@ mod tests {
             .map(|a| a.into_string().unwrap())
             .collect();
         assert_eq!(args[0], "--socket-path=/w/fs.sock");
+        assert_eq!(args.last().unwrap(), "--rlimit-nofile=0", "{args:?}");
         // Every option is its own `-o <opt>` pair.
-        let opts: Vec<&str> = args[1..]
+        let opts: Vec<&str> = args[1..args.len() - 1]
             .chunks(2)
             .map(|pair| {
                 assert_eq!(pair[0], "-o", "{args:?}");
@@ -959,6 +960,23 @@ mod tests {
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
             .map(str::trim)
             .unwrap()
+    }
+
+    #[test]
+    fn jail_ids_are_the_base_plus_the_pid_and_never_root_or_minus_one() {
+        let pid = std::process::id();
+        assert_eq!(jail_id(5), Some(5 + pid));
+        assert_eq!(jail_id(0), None);
+        assert_eq!(jail_id(u32::MAX - JAIL_ID_RANGE), None);
+        assert_eq!(
+            jail_id(u32::MAX - JAIL_ID_RANGE - 1),
+            Some(u32::MAX - JAIL_ID_RANGE - 1 + pid)
+        );
+        let mut cfg = QemuConfig::new("/k", "/i", "/v", "/w");
+        assert_eq!(cfg.jail_id, DEFAULT_JAIL_ID_BASE + pid);
+        cfg.jail_id = 0;
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("jail_id"), "{e}");
     }
 
     #[test]
