@@ -19,13 +19,16 @@ pub const MAX_BLOCK_SLOTS: usize = 8;
 #[serde(rename_all = "lowercase")]
 pub enum Hypervisor {
     /// The embedded VMM where `microvm check-host` says the guest kernel boots under this
-    /// host's KVM, the QEMU backend elsewhere (`host_check::choose_backend`; the default).
+    /// host's KVM; elsewhere the QEMU backend where QEMU can use KVM, or on software emulation
+    /// (TCG) only with `allow_software_emulation`; else the pod fails with check-host's reason
+    /// (`host_check::choose_backend`; the default).
     #[default]
     Auto,
     /// The embedded VMM on /dev/kvm; a host that cannot boot the guest under it fails the pod
     /// at once with check-host's reason.
     Kvm,
-    /// Debian's QEMU `-M microvm` with vhost-device-vsock (TCG where KVM cannot boot the guest).
+    /// Debian's QEMU `-M microvm` with vhost-device-vsock, on KVM where QEMU can use it; on
+    /// software emulation (TCG) only with `allow_software_emulation`.
     Qemu,
 }
 
@@ -59,6 +62,10 @@ pub enum PageSharing {
 pub struct Config {
     /// The VM backend.
     pub hypervisor: Hypervisor,
+    /// Whether a pod may run under QEMU's software emulation (TCG) where this host's KVM
+    /// cannot run the guest. TCG is no security boundary (QEMU's own security policy), so it
+    /// is never chosen without this; each pod that runs on it logs a warning.
+    pub allow_software_emulation: bool,
     /// The guest kernel (uncompressed vmlinux).
     pub kernel: PathBuf,
     /// The initramfs with the agent as /init.
@@ -161,6 +168,11 @@ pub struct QemuSettings {
     pub binary: PathBuf,
     /// The vhost-device-vsock binary.
     pub vhost_vsock_binary: PathBuf,
+    /// The first id of the uid/gid range the QEMU backend's guest-facing processes (QEMU,
+    /// vhost-device-vsock) run as: each pod's are `jail_id_base + its shim's pid`, a range of
+    /// `vm::qemu::JAIL_ID_RANGE` ids that need no passwd entry and that nothing else on the
+    /// node may use.
+    pub jail_id_base: u32,
 }
 
 impl Default for QemuSettings {
@@ -168,6 +180,7 @@ impl Default for QemuSettings {
         QemuSettings {
             binary: PathBuf::from(crate::vm::qemu::DEFAULT_QEMU),
             vhost_vsock_binary: crate::vm::qemu::default_vhost_vsock_binary(),
+            jail_id_base: crate::vm::qemu::DEFAULT_JAIL_ID_BASE,
         }
     }
 }
@@ -176,6 +189,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             hypervisor: Hypervisor::default(),
+            allow_software_emulation: false,
             kernel: PathBuf::from("/usr/share/microvm/vmlinux"),
             initrd: PathBuf::from("/usr/share/microvm/initrd.cpio"),
             boot_files: BootFiles::default(),
@@ -271,6 +285,14 @@ impl Config {
                  {MAX_BLOCK_SLOTS}"
             ));
         }
+        if crate::vm::qemu::jail_id(self.qemu.jail_id_base).is_none() {
+            return Err(format!(
+                "qemu.jail_id_base {} must be at least 1 and leave room for {} ids below {}",
+                self.qemu.jail_id_base,
+                crate::vm::qemu::JAIL_ID_RANGE,
+                u32::MAX
+            ));
+        }
         for (what, p) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
             if let Err(e) = std::fs::metadata(p) {
                 return Err(format!("{what} {}: {e}", p.display()));
@@ -338,6 +360,27 @@ mod tests {
             assert_eq!(c.hypervisor, want, "{text}");
         }
         assert!(Config::parse("hypervisor = \"Auto\"\n").is_err());
+    }
+
+    #[test]
+    fn jail_id_base_is_checked() {
+        assert_eq!(Config::default().qemu.jail_id_base, 2_000_000_000);
+        let c = Config::parse("[qemu]\njail_id_base = 300000000\n").unwrap();
+        assert_eq!(c.qemu.jail_id_base, 300_000_000);
+        for bad in [0, u32::MAX - 10] {
+            let c = Config::parse(&format!("[qemu]\njail_id_base = {bad}\n")).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.contains("jail_id_base"), "{e}");
+        }
+        assert!(Config::parse("[qemu]\njail_id_base = -1\n").is_err());
+    }
+
+    #[test]
+    fn software_emulation_needs_the_opt_in() {
+        assert!(!Config::default().allow_software_emulation);
+        let c = Config::parse("allow_software_emulation = true\n").unwrap();
+        assert!(c.allow_software_emulation);
+        assert!(Config::parse("allow_software_emulation = \"yes\"\n").is_err());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! A pod's boot, every step in order ([`Sandbox::boot`]):
 //!
-//! 1. the VM backend: the config's choice, checked against this host (`host_check`);
+//! 1. the VM backend: the config's choice, checked against this host (`host_check`); QEMU's
+//!    software emulation only where the config allows it, with a warning;
 //! 2. the VM's size, from the pod's annotations ([`spec::vm_size`]);
 //! 3. the pod's state directory, which records the shim's pid (crash cleanup starts here);
 //! 4. the host cgroup: `<pod cgroup>/microvm-<id>` under the parent of the spec's
@@ -37,12 +38,13 @@ use std::time::Duration;
 
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, Hypervisor};
-use crate::host_check;
+use crate::host_check::{self, BackendChoice};
 use crate::resources::cgroup::overhead::{Amounts, Defaults};
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, SetupRequest};
 use crate::resources::{devices, network, storage};
 use crate::state::{state_root, StateDir};
 use crate::task::bundle;
+use crate::vm::qemu::Accel;
 use crate::vm::thread::{BootError, VmThread};
 use crate::vm::{
     Backend, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS,
@@ -80,7 +82,8 @@ impl Sandbox {
         let id = req.id;
         let config = &req.config;
         // 1. The backend.
-        let backend = choose_backend(id, config)?;
+        let choice = choose_backend(id, config)?;
+        let backend = choice.backend;
         // 2. The size.
         let size = spec::vm_size(config, req.annotations).map_err(SandboxError::Size)?;
         // 3. The state directory.
@@ -231,6 +234,9 @@ impl Sandbox {
         guest.qemu = QemuPrograms {
             qemu: config.qemu.binary.clone(),
             vhost_vsock: config.qemu.vhost_vsock_binary.clone(),
+            accel: choice.qemu_accel.unwrap_or(Accel::Kvm),
+            // Checked by Config::validate.
+            jail_id: crate::vm::qemu::jail_id(config.qemu.jail_id_base).unwrap_or(u32::MAX),
         };
         log::info!(
             "sandbox {id}: booting a {backend} VM with {} vCPUs, {} MiB",
@@ -346,24 +352,26 @@ fn host_cgroup(
     Ok(Some(cg))
 }
 
-/// Step 1: the config's hypervisor on this host.
-fn choose_backend(id: &str, config: &Config) -> Result<Backend, SandboxError> {
-    Ok(match config.hypervisor {
-        Hypervisor::Auto => {
-            let report = host_check::probe(Some(&config.kernel));
-            let choice = host_check::choose_backend(&report);
-            log::info!("sandbox {id}: hypervisor auto -> {choice}");
-            choice.backend
-        }
-        Hypervisor::Kvm => {
-            let report = host_check::probe(Some(&config.kernel));
-            if let Some(reason) = report.linux_guest_blocker() {
-                return Err(SandboxError::KvmUnusable(reason));
-            }
-            Backend::Kvm
-        }
-        Hypervisor::Qemu => Backend::Qemu,
-    })
+/// Step 1: the config's hypervisor on this host (`host_check::choose_backend`): the backend
+/// and, for QEMU, its accelerator. Software emulation is logged at warn, once per pod.
+fn choose_backend(id: &str, config: &Config) -> Result<BackendChoice, SandboxError> {
+    let report = host_check::probe(Some(&config.kernel));
+    let choice =
+        host_check::choose_backend(&report, config.hypervisor, config.allow_software_emulation)?;
+    let name = match config.hypervisor {
+        Hypervisor::Auto => "auto",
+        Hypervisor::Kvm => "kvm",
+        Hypervisor::Qemu => "qemu",
+    };
+    if choice.software_emulation() {
+        log::warn!(
+            "sandbox {id}: hypervisor {name} -> {choice}: the guest runs under software \
+             emulation, which is no security boundary (allowed by allow_software_emulation)"
+        );
+    } else {
+        log::info!("sandbox {id}: hypervisor {name} -> {choice}");
+    }
+    Ok(choice)
 }
 
 /// Step 9: the agent, reachable now that it reported ready, answers Check.

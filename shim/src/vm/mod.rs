@@ -123,13 +123,18 @@ pub struct GuestNic {
     pub mtu: u16,
 }
 
-/// The programs the QEMU backend runs (the config's `[qemu]` table).
+/// The programs the QEMU backend runs (the config's `[qemu]` table) and how QEMU runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QemuPrograms {
     /// `qemu-system-x86_64` (looked up on PATH unless a path).
     pub qemu: PathBuf,
     /// `vhost-device-vsock`.
     pub vhost_vsock: PathBuf,
+    /// QEMU's accelerator, as `host_check::choose_backend` decided it (the default
+    /// [`Accel::Kvm`]: software emulation is chosen only there).
+    pub accel: Accel,
+    /// The uid and gid QEMU and vhost-device-vsock run as (`qemu::QemuConfig::jail_id`).
+    pub jail_id: u32,
 }
 
 impl Default for QemuPrograms {
@@ -137,6 +142,9 @@ impl Default for QemuPrograms {
         QemuPrograms {
             qemu: PathBuf::from(qemu::DEFAULT_QEMU),
             vhost_vsock: qemu::default_vhost_vsock_binary(),
+            accel: Accel::Kvm,
+            jail_id: qemu::jail_id(qemu::DEFAULT_JAIL_ID_BASE)
+                .expect("the default jail id range fits"),
         }
     }
 }
@@ -424,7 +432,17 @@ impl GuestVm {
         })?;
         let started_at = Instant::now();
         let console_log = console_log_in(&spec.work_dir);
-        let uds = spec.work_dir.join(VSOCK_UDS_NAME);
+        let uds = match backend {
+            Backend::Kvm => spec.work_dir.join(VSOCK_UDS_NAME),
+            // In a folder of its own, which the jailed vhost-device-vsock may write.
+            Backend::Qemu => qemu::vsock_uds_in(&spec.work_dir),
+        };
+        if let Some(dir) = uds.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| GuestVmError::WorkDir {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
         let result = ReadyListener::bind(&uds)
             .map_err(|source| GuestVmError::AgentNotReady {
                 source,
@@ -538,7 +556,8 @@ impl GuestVm {
         cfg.vcpus = u32::from(spec.vcpus);
         cfg.memory_mib = memory_mib;
         cfg.guest_cid = GUEST_CID;
-        cfg.accel = Accel::Auto;
+        cfg.accel = spec.qemu.accel;
+        cfg.jail_id = spec.qemu.jail_id;
         cfg.console_log = Some(console_log.to_path_buf());
         cfg.console_log_bytes = CONSOLE_LOG_BYTES;
         cfg.cmdline_extra = spec.cmdline_extra();
