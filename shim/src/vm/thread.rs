@@ -176,6 +176,40 @@ fn lost(why: &str) -> VmEnd {
 
 type Ready = Result<(PathBuf, String), BootError>;
 
+/// Boots the VM of [`GuestSpec::kernel_text_capture`] (one that sees no pod input), waits for
+/// its agent, captures its kernel text as the template, and stops it. A failure is logged: the
+/// pod then shares no kernel text (its pass says so).
+fn capture_kernel_text(spec: &GuestSpec) {
+    let Some(capture) = spec.kernel_text_capture() else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    let result = GuestVm::start(Backend::Kvm, &capture).and_then(|mut vm| {
+        let captured = vm
+            .wait_agent_ready(AGENT_READY_TIMEOUT)
+            .and_then(|()| vm.capture_kernel_text());
+        if let Err(e) = vm.stop() {
+            log::warn!("page sharing: stopping the capture VM: {e}");
+        }
+        captured
+    });
+    match result {
+        Ok(true) => log::info!(
+            "page sharing: the kernel text template was captured from a VM that saw no pod \
+             input in {:?}",
+            started.elapsed()
+        ),
+        Ok(false) => log::info!(
+            "page sharing: the capture VM captured no kernel text template (another pod's did, \
+             or the kernel has no text range)"
+        ),
+        Err(e) => log::warn!(
+            "page sharing: capturing the kernel text template failed (this pod shares no \
+             kernel text): {e}"
+        ),
+    }
+}
+
 fn vm_thread(
     backend: Backend,
     spec: GuestSpec,
@@ -205,9 +239,15 @@ fn vm_thread(
         "agent ready {:?} after boot start",
         vm.started_at().elapsed()
     );
-    // Page sharing, before the sandbox is reported ready: no container has run in the guest
-    // yet (the first pod after a host boot captures the kernel text template here).
+    // Page sharing, before the sandbox is reported ready (docs/page-sharing.md). The kernel
+    // text template is never taken from this pod's guest: if none was captured yet (the first
+    // pod after a host boot), a VM that sees no pod input is booted and captures it first.
     // (The VMM logs what the pass did.)
+    match vm.kernel_text_template_missing() {
+        Some(Ok(true)) => capture_kernel_text(&spec),
+        Some(Err(e)) => log::warn!("page sharing: looking for the kernel text template: {e}"),
+        Some(Ok(false)) | None => {}
+    }
     if let Some(Err(e)) = vm.share_pages() {
         log::warn!("page sharing failed (the pod runs without it): {e}");
     }

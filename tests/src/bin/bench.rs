@@ -707,10 +707,11 @@ impl PodSetup {
             std::fs::write(&config, text)
                 .with_context(|| format!("writing {}", config.display()))?;
         }
-        // `BENCH_PAGE_SHARING=public|off`: the shim's `page_sharing` (docs/page-sharing.md).
+        // `BENCH_PAGE_SHARING=namespace|node|off`: the shim's `page_sharing`
+        // (docs/page-sharing.md; `public` is the old name of `node`).
         if let Ok(how) = std::env::var("BENCH_PAGE_SHARING") {
-            if how != "public" && how != "off" {
-                bail!("BENCH_PAGE_SHARING={how:?}: expected public or off");
+            if !["namespace", "node", "public", "off"].contains(&how.as_str()) {
+                bail!("BENCH_PAGE_SHARING={how:?}: expected namespace, node or off");
             }
             let mut text = std::fs::read_to_string(&config).context("reading the shim config")?;
             text.insert_str(0, &format!("page_sharing = \"{how}\"\n"));
