@@ -54,7 +54,7 @@ done
 echo "== linux guests on the embedded vmm"
 # The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
 # name. The first two are #[ignore]d in the plain run (counted here, where they run).
-embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_sandbox_api cri_microvm_fs_policy)
+embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_page_sharing)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_vfio=$(grep -c '^#\[ignore' tests/tests/kvm_vfio_passthrough.rs || true)
 n_linux=$(( n_linux + n_vfio ))

@@ -77,6 +77,8 @@ for arg in "$@"; do
         args+=(--skip a_vfio_device_the_pod_holds_is_cold_plugged_and_seen_in_the_container)
       fi
       ;;
+    # Page sharing runs on the embedded VMM only: #[ignore]d where the pod suites run on QEMU.
+    cri_microvm_page_sharing) limit=600; args=(--include-ignored --test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
     cri_microvm|cri_microvm_net) limit=900; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
     *) limit=600; args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
   esac
