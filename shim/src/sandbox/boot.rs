@@ -238,7 +238,7 @@ impl Sandbox {
         guest.nics = nics;
         guest.vfio = cold.vfio.clone();
         guest.free_page_reporting = config.free_page_reporting;
-        guest.page_sharing = page_sharing(id, &config, req.annotations);
+        guest.page_sharing = page_sharing(id, config, req.annotations);
         let mut cold_files: Vec<Option<std::fs::File>> =
             cold.disks.into_iter().map(|d| Some(d.file)).collect();
         for d in &layout {
