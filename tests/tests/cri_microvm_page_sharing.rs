@@ -16,6 +16,7 @@ use microvm_tests::microvm_pods::*;
 use std::collections::{BTreeSet, HashMap};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// A template file mapped into a shim: its path, inode, and the physical pages of it present.
 #[derive(Debug)]
@@ -120,8 +121,12 @@ async fn pods_share_template_pages_within_a_namespace_and_never_across() {
     let mut text = std::fs::read_to_string(&config).unwrap();
     // The default page_sharing ("namespace"), in a template root of this test's own: empty, so
     // the first pod has the kernel text captured.
-    text.push_str(&format!("page_templates_dir = \"{}\"\n", templates.display()));
+    text.push_str(&format!(
+        "page_templates_dir = \"{}\"\n",
+        templates.display()
+    ));
     std::fs::write(&config, text).unwrap();
+    let before = state_entries();
     let (ctrd, cri) = start(&config).await;
 
     let a1 = run_pod_in(&ctrd, &cri, "share-a1", "team-a").await;
@@ -206,10 +211,19 @@ async fn pods_share_template_pages_within_a_namespace_and_never_across() {
         a2_pfns.len(),
         b1_pfns.len()
     );
-    assert!(within > 0, "two pods of one namespace share no template page");
+    assert!(
+        within > 0,
+        "two pods of one namespace share no template page"
+    );
     assert_eq!(across, 0, "pods of two namespaces share template pages");
 
-    for pod in [&a1, &a2, &b1] {
-        remove_pod(&ctrd, &cri, pod).await;
+    for pod in [&a1, &a2] {
+        cri.stop_pod_sandbox(&pod.id).await.unwrap();
+        cri.remove_pod_sandbox(&pod.id).await.unwrap();
+        assert_pod_gone_while_others_run(&ctrd, &pod.id, Duration::from_secs(20));
     }
+    remove_pod(&ctrd, &cri, &b1).await;
+    // Nothing of the capture VM is left either (its work folder and empty share were beside
+    // the first pod's VM folder, gone with its state directory).
+    assert_nothing_new(&ctrd, &before);
 }

@@ -177,11 +177,18 @@ impl GuestSpec {
 
     /// The spec of the VM that captures the kernel text template for this one's page sharing
     /// (docs/page-sharing.md): a VM that sees no pod input. It has this spec's kernel, initrd,
-    /// size, boot files, balloon and agent log level (what decides how its kernel patches
-    /// itself, and what it boots with), and nothing of the pod: no hostname, no share, no
-    /// network card, no disk, no device; a work folder of its own beside this one's. `None`
-    /// when this VM shares no pages.
-    pub fn kernel_text_capture(&self) -> Option<GuestSpec> {
+    /// size, boot files, balloon and agent log level, and the same kinds and numbers of devices
+    /// (the guest kernel patches its text by what it finds), but nothing of the pod behind them:
+    /// no hostname; the share is `empty_share` (an empty directory of the caller's) under the
+    /// same tag; each network card is one of `taps` (reaching nothing: the caller's, in a
+    /// network namespace of their own) with a fixed local MAC and the pod card's MTU; each disk
+    /// an empty slot; no VFIO device. Its work folder is its own, beside this one's. `None` when
+    /// this VM shares no pages.
+    pub fn kernel_text_capture(
+        &self,
+        empty_share: &Path,
+        taps: Vec<Arc<OwnedFd>>,
+    ) -> Option<GuestSpec> {
         let sharing = self.page_sharing_config()?;
         let mut work_dir = self.work_dir.clone().into_os_string();
         work_dir.push("-capture");
@@ -195,6 +202,32 @@ impl GuestSpec {
         spec.agent_log_level = self.agent_log_level.clone();
         spec.boot_files = self.boot_files;
         spec.free_page_reporting = self.free_page_reporting;
+        spec.shared = self.shared.as_ref().map(|s| SharedDir {
+            tag: s.tag.clone(),
+            host_dir: empty_share.to_path_buf(),
+        });
+        spec.nics = self
+            .nics
+            .iter()
+            .zip(taps)
+            .enumerate()
+            .map(|(i, (nic, tap))| GuestNic {
+                tap,
+                mac: [0x02, 0, 0, 0, 0, u8::try_from(i + 1).unwrap_or(u8::MAX)],
+                mtu: nic.mtu,
+            })
+            .collect();
+        spec.disks = self
+            .disks
+            .iter()
+            .enumerate()
+            .map(|(i, d)| GuestDisk {
+                serial: format!("capture{i}"),
+                backing: DiskBacking::Empty {
+                    read_only: d.backing.read_only(),
+                },
+            })
+            .collect();
         spec.page_sharing = Some(vmm::PageSharingConfig {
             capture_kernel_text: true,
             ..sharing
@@ -804,7 +837,7 @@ mod tests {
     fn page_sharing_is_left_out_beside_vfio_devices() {
         let mut s = spec(None, Some("pod"));
         assert_eq!(s.page_sharing_config(), None, "off unless asked");
-        assert!(s.kernel_text_capture().is_none());
+        assert!(s.kernel_text_capture(Path::new("/e"), Vec::new()).is_none());
         let sharing = vmm::PageSharingConfig {
             template_dir: PathBuf::from("/run/t"),
             domain: vmm::page_sharing::namespace_domain("shop"),
@@ -815,10 +848,11 @@ mod tests {
         s.vfio
             .push(PathBuf::from("/sys/bus/pci/devices/0000:00:01.0"));
         assert_eq!(s.page_sharing_config(), None);
-        assert!(s.kernel_text_capture().is_none());
+        assert!(s.kernel_text_capture(Path::new("/e"), Vec::new()).is_none());
     }
 
-    /// The VM that captures the kernel text gets nothing of the pod.
+    /// The VM that captures the kernel text gets the pod's kinds of devices with nothing of the
+    /// pod behind them.
     #[test]
     fn the_capture_vm_gets_nothing_of_the_pod() {
         let mut s = spec(Some("debug"), Some("pod-host"));
@@ -831,13 +865,45 @@ mod tests {
             tag: "share".into(),
             host_dir: PathBuf::from("/run/microvm/p/shared"),
         });
+        let pod_file = Arc::new(File::open("/dev/null").unwrap());
         s.disks.push(GuestDisk {
-            serial: "d".into(),
+            serial: "pod-disk".into(),
+            backing: DiskBacking::File {
+                file: pod_file,
+                read_only: true,
+            },
+        });
+        s.disks.push(GuestDisk {
+            serial: "slot".into(),
             backing: DiskBacking::Empty { read_only: false },
         });
+        let pod_tap: Arc<OwnedFd> = Arc::new(File::open("/dev/null").unwrap().into());
+        s.nics.push(GuestNic {
+            tap: pod_tap.clone(),
+            mac: [0x0a, 1, 2, 3, 4, 5],
+            mtu: 1450,
+        });
         s.free_page_reporting = true;
-        let c = s.kernel_text_capture().expect("a capture spec");
-        assert!(c.shared.is_none() && c.disks.is_empty() && c.nics.is_empty());
+        let inert: Arc<OwnedFd> = Arc::new(File::open("/dev/null").unwrap().into());
+        let c = s
+            .kernel_text_capture(Path::new("/run/empty"), vec![inert.clone()])
+            .expect("a capture spec");
+        let share = c.shared.as_ref().expect("a share, empty");
+        assert_eq!(
+            (share.tag.as_str(), share.host_dir.as_path()),
+            ("share", Path::new("/run/empty"))
+        );
+        assert_eq!(c.disks.len(), 2);
+        for (d, ro) in c.disks.iter().zip([true, false]) {
+            assert!(
+                matches!(d.backing, DiskBacking::Empty { read_only } if read_only == ro),
+                "{d:?}"
+            );
+            assert!(d.serial.starts_with("capture"), "{}", d.serial);
+        }
+        assert_eq!(c.nics.len(), 1);
+        assert!(Arc::ptr_eq(&c.nics[0].tap, &inert));
+        assert_eq!((c.nics[0].mac, c.nics[0].mtu), ([2, 0, 0, 0, 0, 1], 1450));
         assert!(c.vfio.is_empty() && c.hostname.is_none());
         assert_eq!(c.cmdline_extra(), "MICROVM_AGENT_LOG=debug");
         assert_eq!((c.vcpus, c.memory_mib), (s.vcpus, s.memory_mib));
