@@ -11,17 +11,23 @@
 //!   one copy for every VM, and a guest write copies it again (copy-on-write).
 //!
 //! Only public content becomes a template, never what another tenant's guest holds: the
-//! initrd's regular files (each laid out from a page boundary, as a page cache holds it) and the
-//! kernel text captured from the first VM after the host booted, before any workload ran in it.
-//! Learning that a page was shared tells a guest nothing about another pod.
+//! initrd's regular files (each laid out from a page boundary, as a page cache holds it),
+//! computed from the file, and the kernel text captured from a VM that has seen no pod input
+//! (started with [`PageSharingConfig::capture_kernel_text`]; a pod's VM never captures).
+//! Learning that a page was shared tells a guest nothing about another pod. Still, a shared
+//! physical page lets guests time each other's use of it (Flush+Reload), so templates are kept
+//! per trust domain ([`PageSharingConfig::domain`]): VMs of different domains map different
+//! files, hence share no page.
 //!
 //! Correctness never depends on a template: a page is replaced only when it is equal to the
 //! template page, while every vCPU and the device thread are paused, so a wrong or hostile
 //! template means no sharing, never different guest memory.
 //!
-//! Template files live in a directory only root can enter (0700, owned by the VMM's user),
-//! created 0444 through a temporary file and a link, never changed in place: a private mapping
-//! of a file still sees later writes to the pages it has not copied.
+//! Template files live in directories only root can enter (0700, owned by the VMM's user),
+//! reached from a checked directory descriptor without following links, created 0444 through a
+//! temporary file and a link, never changed in place (a private mapping of a file still sees
+//! later writes to the pages it has not copied), and checked each time they are opened: a
+//! regular file of ours, writable by nobody else, of the size expected ([`TemplateDir::get`]).
 
 use std::collections::HashMap;
 use std::fs::File;

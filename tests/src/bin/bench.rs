@@ -20,7 +20,7 @@
 //! accelerator, and the targets; on the embedded VMM also the idle pod's guest RAM and
 //! the shim's own memory. `BENCH_IDLE_SECS` (default 1) is how long after StartContainer the
 //! idle memory is read; `BENCH_FREE_PAGE_REPORTING=0` gives the pods no balloon
-//! (docs/virtio-balloon.md), to measure what it gives back; `BENCH_PAGE_SHARING=public|off` sets
+//! (docs/virtio-balloon.md), to measure what it gives back; `BENCH_PAGE_SHARING=namespace|node|off` sets
 //! the shim's `page_sharing` (docs/page-sharing.md). The backend is the one `microvm check-host` picks, or
 //! `BENCH_HYPERVISOR=kvm|qemu` (kvm where check-host says it cannot boot is an error).
 //!
