@@ -43,15 +43,23 @@ pub enum BootFiles {
     Copy,
 }
 
-/// Which guest pages the embedded VMM shares between pods (docs/page-sharing.md).
+/// Between which pods the embedded VMM shares guest pages (docs/page-sharing.md). What is
+/// shared is the same in each case: pages equal to public templates (the initrd's files, the
+/// kernel text as a guest that saw no pod input patched it) are mapped from template files and
+/// zero pages dropped, once the agent answered; never pages equal to what another pod holds.
+/// Sharing a page lets pods time each other's use of it (Flush+Reload): the setting says whose
+/// pods may.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum PageSharing {
-    /// Pages equal to public content (the initrd's files, the kernel text as every guest
-    /// patches it) are mapped from shared template files, zero pages dropped, once the agent
-    /// answered. Never pages equal to what another pod holds.
+    /// Only pods of the same Kubernetes namespace (the sandbox's
+    /// `io.kubernetes.cri.sandbox-namespace`) map the same template files. A pod without a
+    /// namespace shares with nobody.
     #[default]
-    Public,
+    Namespace,
+    /// Every pod of the node maps the same template files (`public` is the old name of this).
+    #[serde(alias = "public")]
+    Node,
     /// Nothing is shared.
     Off,
 }
@@ -95,10 +103,12 @@ pub struct Config {
     /// frees, so the host takes those pages back (docs/virtio-balloon.md). Pods with VFIO
     /// devices never get it.
     pub free_page_reporting: bool,
-    /// Embedded VMM: share guest pages equal to public templates between pods (`public`, the
-    /// default) or not (`off`). Pods with VFIO devices never do.
+    /// Embedded VMM: share guest pages equal to public templates between pods of one
+    /// namespace (`namespace`, the default), of the node (`node`), or not (`off`). Pods with
+    /// VFIO devices never do.
     pub page_sharing: PageSharing,
-    /// Where the page templates are kept (root-owned, 0700; emptied by a host reboot).
+    /// Where the page templates are kept (root-owned, 0700, a directory per trust domain;
+    /// emptied by a host reboot).
     pub page_templates_dir: PathBuf,
 }
 
@@ -324,9 +334,9 @@ mod tests {
     }
 
     #[test]
-    fn page_sharing_is_public_unless_off() {
+    fn page_sharing_is_per_namespace_unless_set() {
         let c = Config::default();
-        assert_eq!(c.page_sharing, PageSharing::Public);
+        assert_eq!(c.page_sharing, PageSharing::Namespace);
         assert_eq!(
             c.page_templates_dir,
             PathBuf::from("/run/microvm-page-templates")
@@ -335,6 +345,14 @@ mod tests {
         assert_eq!(c.page_sharing, PageSharing::Off);
         assert_eq!(c.page_templates_dir, PathBuf::from("/x"));
         assert!(Config::parse("page_sharing = \"all\"\n").is_err());
+        for (text, want) in [
+            ("node", PageSharing::Node),
+            ("public", PageSharing::Node),
+            ("namespace", PageSharing::Namespace),
+        ] {
+            let c = Config::parse(&format!("page_sharing = \"{text}\"\n")).unwrap();
+            assert_eq!(c.page_sharing, want, "{text}");
+        }
         let c = Config::parse("[cgroup]\nenabled = false\noverhead_memory_mib = 64\n").unwrap();
         assert!(!c.cgroup.enabled);
         assert_eq!(c.cgroup.overhead_memory_mib, 64);

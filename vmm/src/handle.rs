@@ -325,9 +325,9 @@ impl VmHandle {
             return Err(PageSharingError::Off.into());
         };
         let mut sharing = lock(sharing);
-        let capture = sharing.prepare()?;
+        let (capture, missing) = sharing.prepare()?;
         let result = self.with_paused(SHARING_PAUSE_TIMEOUT, |mem| {
-            sharing.paused_pass(mem, capture.as_deref())
+            sharing.paused_pass(mem, capture.as_deref(), missing)
         });
         // The templates are unmapped from the VMM between passes (a later pass maps them
         // again): mapped, their pages would count in this process's memory for nothing.
@@ -336,6 +336,38 @@ impl VmHandle {
         report.took = started.elapsed();
         log::info!("page sharing: {report}");
         Ok(report)
+    }
+
+    /// Whether this VM's kernel text template is still to be captured: neither its domain's
+    /// template directory nor the captures hold it (docs/page-sharing.md). A pod's VM never
+    /// captures it; the caller boots a VM that has seen no pod input and calls
+    /// [`VmHandle::capture_kernel_text`] on it.
+    pub fn kernel_text_template_missing(&self) -> Result<bool, VmmError> {
+        let Some(sharing) = self.devices.page_sharing.as_ref() else {
+            return Err(PageSharingError::Off.into());
+        };
+        Ok(lock(sharing).kernel_text_missing()?)
+    }
+
+    /// Captures this VM's kernel text as the template every domain copies, if none was
+    /// captured yet, and nothing else (no sharing pass): for a VM started with
+    /// `capture_kernel_text` that has seen no pod input, once its guest is up. Returns whether
+    /// it captured.
+    pub fn capture_kernel_text(&self) -> Result<bool, VmmError> {
+        let Some(sharing) = self.devices.page_sharing.as_ref() else {
+            return Err(PageSharingError::Off.into());
+        };
+        let mut sharing = lock(sharing);
+        let Some(name) = sharing.capture_name()? else {
+            return Ok(false);
+        };
+        let captured = self.with_paused(SHARING_PAUSE_TIMEOUT, |mem| {
+            sharing.capture_kernel_text(mem, &name)
+        })??;
+        if captured {
+            log::info!("page sharing: captured the kernel text template {name}");
+        }
+        Ok(captured)
     }
 
     /// How long `Vm::start` took, from its call to the vCPU threads running.

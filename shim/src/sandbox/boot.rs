@@ -76,6 +76,42 @@ pub struct BootRequest<'a> {
     pub overhead: Amounts,
 }
 
+/// The page sharing of pod `id` (docs/page-sharing.md): its trust domain from the config and
+/// the sandbox's namespace annotation (set by containerd's CRI from the pod's metadata). In
+/// `namespace` mode a pod without a namespace shares with nobody.
+fn page_sharing(
+    id: &str,
+    config: &Config,
+    annotations: &HashMap<String, String>,
+) -> Option<vmm::PageSharingConfig> {
+    use crate::config::PageSharing;
+    let domain = match config.page_sharing {
+        PageSharing::Off => return None,
+        PageSharing::Node => vmm::page_sharing::NODE_DOMAIN.to_string(),
+        PageSharing::Namespace => {
+            match annotations
+                .get(devices::POD_NAMESPACE_ANNOTATION)
+                .filter(|ns| !ns.is_empty())
+            {
+                Some(ns) => vmm::page_sharing::namespace_domain(ns),
+                None => {
+                    log::info!(
+                        "sandbox {id}: no {} annotation: page sharing is off for this pod \
+                         (page_sharing = \"namespace\")",
+                        devices::POD_NAMESPACE_ANNOTATION
+                    );
+                    return None;
+                }
+            }
+        }
+    };
+    Some(vmm::PageSharingConfig {
+        template_dir: config.page_templates_dir.clone(),
+        domain,
+        capture_kernel_text: false,
+    })
+}
+
 impl Sandbox {
     /// Boots pod `req.id`: the steps of this module's doc, in order.
     pub async fn boot(req: BootRequest<'_>) -> Result<Sandbox, SandboxError> {
@@ -205,8 +241,7 @@ impl Sandbox {
         guest.nics = nics;
         guest.vfio = cold.vfio.clone();
         guest.free_page_reporting = config.free_page_reporting;
-        guest.page_sharing = (config.page_sharing == crate::config::PageSharing::Public)
-            .then(|| config.page_templates_dir.clone());
+        guest.page_sharing = page_sharing(id, config, req.annotations);
         let mut cold_files: Vec<Option<std::fs::File>> =
             cold.disks.into_iter().map(|d| Some(d.file)).collect();
         for d in &layout {
@@ -394,5 +429,43 @@ async fn discard(id: &str, vm: &VmThread, state: &StateDir, status: u32) {
     vm.wait().await;
     if let Err(c) = release_host_resources(state).await {
         log::warn!("{id}: cleanup after a failed create: {c}");
+    }
+}
+
+#[cfg(test)]
+mod page_sharing_tests {
+    use super::*;
+    use crate::config::PageSharing;
+
+    #[test]
+    fn the_trust_domain_comes_from_the_config_and_the_namespace() {
+        let mut config = Config::default();
+        let ns = |n: &str| {
+            HashMap::from([(devices::POD_NAMESPACE_ANNOTATION.to_string(), n.to_string())])
+        };
+        let domain = |c: &Config, a: &HashMap<String, String>| {
+            page_sharing("p", c, a).map(|s| {
+                assert!(!s.capture_kernel_text, "a pod never captures");
+                assert_eq!(s.template_dir, c.page_templates_dir);
+                s.domain
+            })
+        };
+        // The default: per namespace; a pod without one shares with nobody.
+        let shop = domain(&config, &ns("shop")).unwrap();
+        assert_eq!(shop, vmm::page_sharing::namespace_domain("shop"));
+        assert_ne!(shop, domain(&config, &ns("bank")).unwrap());
+        assert_eq!(domain(&config, &HashMap::new()), None);
+        assert_eq!(domain(&config, &ns("")), None);
+        config.page_sharing = PageSharing::Node;
+        assert_eq!(
+            domain(&config, &ns("shop")).as_deref(),
+            Some(vmm::page_sharing::NODE_DOMAIN)
+        );
+        assert_eq!(
+            domain(&config, &HashMap::new()).as_deref(),
+            Some(vmm::page_sharing::NODE_DOMAIN)
+        );
+        config.page_sharing = PageSharing::Off;
+        assert_eq!(domain(&config, &ns("shop")), None);
     }
 }
