@@ -97,6 +97,9 @@ pub(crate) struct Running {
     /// Kept alive until the threads are gone (memory slots point into `mem`).
     pub(crate) vm: Option<KvmVm>,
     pub(crate) mem: Option<GuestMemory>,
+    /// The port and MMIO buses: the devices' last references, dropped here after the threads
+    /// are joined (never on a confined thread).
+    pub(crate) buses: Vec<Arc<vmm_devices::bus::Bus>>,
 }
 
 impl Running {
@@ -126,7 +129,8 @@ impl Running {
                 log::error!("the device event-loop thread panicked");
             }
         }
-        // vCPU fds are closed by their threads; now the VM and its memory.
+        // vCPU fds are closed by their threads; now the devices, the VM and its memory.
+        self.buses.clear();
         drop(self.vm.take());
         drop(self.mem.take());
     }
@@ -403,6 +407,7 @@ pub(crate) fn new_running() -> Running {
         event_thread: None,
         vm: None,
         mem: None,
+        buses: Vec::new(),
     }
 }
 

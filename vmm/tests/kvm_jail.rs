@@ -1,0 +1,142 @@
+//! The VM's threads run confined (vmm::jail): every vCPU thread and the device event-loop
+//! thread of a running VM have a seccomp filter and no_new_privs, the embedder's own threads
+//! have neither, and a VM thread that makes a call outside its role's list takes the process
+//! down with SIGSYS (needs /dev/kvm and the built guests).
+
+mod kvm_common;
+use kvm_common::*;
+use std::io::{self, Write};
+use std::os::unix::process::ExitStatusExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use vmm::{SerialSink, Vm, VmExit};
+
+/// `Seccomp:` and `NoNewPrivs:` of every thread of this process whose name starts with
+/// `prefix`: (name, seccomp mode, no_new_privs).
+fn thread_confinement(prefix: &str) -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/task").unwrap() {
+        let dir = entry.unwrap().path();
+        let Ok(comm) = std::fs::read_to_string(dir.join("comm")) else {
+            continue;
+        };
+        let comm = comm.trim().to_string();
+        if !comm.starts_with(prefix) {
+            continue;
+        }
+        let status = std::fs::read_to_string(dir.join("status")).unwrap();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        out.push((comm, field("Seccomp:"), field("NoNewPrivs:")));
+    }
+    out.sort();
+    out
+}
+
+fn wait_for(cap: &Capture, needle: &str) {
+    let deadline = Instant::now() + GUEST_TIMEOUT;
+    while !cap.text().contains(needle) {
+        assert!(Instant::now() < deadline, "no {needle:?}: {}", cap.text());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn every_vm_thread_runs_under_its_filter_and_the_embedders_do_not() {
+    let (cfg, cap) = config("idle", 2, 64);
+    let h = Vm::start(cfg).unwrap();
+    wait_for(&cap, "halting forever");
+    let threads = thread_confinement("vmm-");
+    let names: Vec<&str> = threads.iter().map(|t| t.0.as_str()).collect();
+    assert_eq!(
+        names,
+        ["vmm-devices", "vmm-vcpu0", "vmm-vcpu1"],
+        "{threads:?}"
+    );
+    for (name, seccomp, nnp) in &threads {
+        assert_eq!(seccomp, "2", "{name} runs without a seccomp filter");
+        assert_eq!(nnp, "1", "{name} has no no_new_privs");
+    }
+    // The embedder's thread (this test's) is untouched.
+    let me = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    assert!(me.contains("Seccomp:\t0"), "{me}");
+    h.stop();
+    assert_eq!(h.wait().unwrap(), VmExit::Stopped);
+}
+
+#[test]
+fn with_the_jail_off_no_thread_is_filtered() {
+    let (mut cfg, cap) = config("idle", 1, 64);
+    cfg.jail = false;
+    let h = Vm::start(cfg).unwrap();
+    wait_for(&cap, "halting forever");
+    let threads = thread_confinement("vmm-");
+    assert_eq!(threads.len(), 2, "{threads:?}");
+    for (name, seccomp, _) in &threads {
+        assert_eq!(seccomp, "0", "{name}");
+    }
+    h.stop();
+    assert_eq!(h.wait().unwrap(), VmExit::Stopped);
+}
+
+/// A serial sink that, on the guest's first byte, does what a guest that took over the vCPU
+/// thread would try: open a host file. It runs on the vCPU thread, as all serial output does.
+struct Escape;
+
+impl Write for Escape {
+    fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+        let f = std::fs::File::open("/etc/passwd");
+        // Reached only when the call was let through.
+        println!("ESCAPED: opened a host file: {}", f.is_ok());
+        std::process::exit(if f.is_ok() { 0 } else { 3 })
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The child half of the tests below: boots the hello guest with the escaping sink.
+#[test]
+fn child_escape_attempt() {
+    let Ok(jail) = std::env::var("VMM_JAIL_CHILD") else {
+        return; // Only as the child of the tests below.
+    };
+    let (mut cfg, _cap) = config("hello", 1, 64);
+    cfg.jail = jail == "on";
+    cfg.serial = SerialSink::Writer(Box::new(Escape));
+    let h = Vm::start(cfg).unwrap();
+    let _ = h.wait_timeout(GUEST_TIMEOUT);
+    // The guest printed nothing?
+    std::process::exit(4);
+}
+
+fn run_child(jail: &str) -> std::process::ExitStatus {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_escape_attempt",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("VMM_JAIL_CHILD", jail)
+        .status()
+        .unwrap()
+}
+
+#[test]
+fn a_vcpu_thread_that_opens_a_host_file_kills_the_process_with_sigsys() {
+    let status = run_child("on");
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGSYS),
+        "the confined vCPU thread's openat was not stopped: {status:?}"
+    );
+    // The same without the jail: the open works (what the filter prevents).
+    let status = run_child("off");
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
