@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
 pub mod filters;
+pub mod process;
 
 /// What a thread of the VMM does, hence which system calls it may make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
