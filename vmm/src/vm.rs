@@ -248,6 +248,10 @@ impl Vm {
         };
         // The seccomp filters of the VM's threads (crate::jail), built here so that a thread
         // only installs its own before it touches guest data.
+        let sharing_filter = match (&page_sharing, cfg.jail) {
+            (Some(_), true) => Some(ThreadFilter::new(Role::PageSharing, Needs::default())?),
+            _ => None,
+        };
         let (vcpu_filter, loop_filter) = if cfg.jail {
             let needs = Needs {
                 vfio: !cfg.vfio.is_empty(),
@@ -317,6 +321,7 @@ impl Vm {
                 blocks,
                 balloon,
                 page_sharing: page_sharing.map(Mutex::new),
+                sharing_filter,
             }),
             boot_time,
             started_at,

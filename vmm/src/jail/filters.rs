@@ -71,6 +71,7 @@ syscalls!(
     SYS_linkat,
     SYS_lseek,
     SYS_madvise,
+    SYS_mkdir,
     SYS_mkdirat,
     SYS_mknodat,
     SYS_mmap,
@@ -82,6 +83,7 @@ syscalls!(
     SYS_newfstatat,
     SYS_openat,
     SYS_ppoll,
+    SYS_prctl,
     SYS_pread64,
     SYS_preadv,
     SYS_pwrite64,
@@ -91,6 +93,7 @@ syscalls!(
     SYS_readv,
     SYS_recvfrom,
     SYS_recvmsg,
+    SYS_rename,
     SYS_renameat2,
     SYS_restart_syscall,
     SYS_rt_sigprocmask,
@@ -110,6 +113,7 @@ syscalls!(
     SYS_tgkill,
     SYS_timerfd_settime,
     SYS_umask,
+    SYS_unlink,
     SYS_unlinkat,
     SYS_utimensat,
     SYS_write,
@@ -463,8 +467,11 @@ fn page_sharing(b: &mut Builder, pid: u32) -> Result<(), JailError> {
         libc::SYS_newfstatat,
         libc::SYS_statx,
         libc::SYS_fstat,
+        // The standard library's create_dir_all and remove_file are mkdir(2) and unlink(2).
+        libc::SYS_mkdir,
         libc::SYS_mkdirat,
         libc::SYS_linkat,
+        libc::SYS_unlink,
         libc::SYS_unlinkat,
         libc::SYS_fchmod,
         libc::SYS_fsync,
@@ -475,6 +482,16 @@ fn page_sharing(b: &mut Builder, pid: u32) -> Result<(), JailError> {
         libc::SYS_geteuid,
     ]);
     b.fcntls(&[libc::F_GETFL, libc::F_GETFD, libc::F_SETFD])?;
+    // Pages mapped over guest RAM get guest RAM's marks again (vmm::memory::mark_guest_ram):
+    // out of core dumps, and the mapping's name.
+    b.madvise(&[libc::MADV_DONTDUMP])?;
+    b.when(
+        libc::SYS_prctl,
+        &[&[
+            (0, Len::Dword, Op::Eq, libc::PR_SET_VMA as u64),
+            (1, Len::Qword, Op::Eq, libc::PR_SET_VMA_ANON_NAME as u64),
+        ]],
+    )?;
     let fixed_private = (libc::MAP_PRIVATE | libc::MAP_FIXED) as u64;
     let fixed_private_anon = fixed_private | libc::MAP_ANONYMOUS as u64;
     let shared = libc::MAP_SHARED as u64;

@@ -342,3 +342,28 @@ fn signals_go_only_to_this_process() {
         KILLED
     );
 }
+
+#[test]
+fn page_sharing_maps_templates_read_only() {
+    let f = ThreadFilter::new(Role::PageSharing, Needs::default()).unwrap();
+    // A template file is mapped shared and read-only (anonymous here: the flags are what the
+    // filter checks), never writable or executable.
+    let shared = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
+    assert_eq!(in_child(&f, || mmap(libc::PROT_READ, shared)), KILLED);
+    assert_eq!(
+        in_child(&f, || mmap(libc::PROT_READ, libc::MAP_SHARED)),
+        Outcome::Exited(1),
+        "a shared read-only file mapping is let through (here it fails: no file)"
+    );
+    assert_eq!(
+        in_child(&f, || mmap(
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED
+        )),
+        KILLED
+    );
+    // Only the mapping name of prctl.
+    // SAFETY: PR_SET_DUMPABLE with an integer argument.
+    let dumpable = || unsafe { libc::syscall(libc::SYS_prctl, libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
+    assert_eq!(in_child(&f, dumpable), KILLED);
+}
