@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
+pub mod channel;
 pub mod filters;
 pub mod process;
 
