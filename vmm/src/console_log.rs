@@ -68,6 +68,29 @@ impl ConsoleLog {
         })
     }
 
+    /// A console log on two files opened by someone else (a VMM in a process of its own gets
+    /// descriptors, never paths): `current` is `<path>`, `previous` `<path>.1`; both are
+    /// truncated. `path` only names the log in messages. The files must be open for reading
+    /// and writing.
+    pub fn from_files(
+        path: &Path,
+        mut current: File,
+        mut previous: File,
+        max_bytes: u64,
+    ) -> io::Result<Self> {
+        for f in [&mut current, &mut previous] {
+            f.set_len(0)?;
+            f.seek(SeekFrom::Start(0))?;
+        }
+        Ok(ConsoleLog {
+            file: current,
+            previous,
+            path: path.to_path_buf(),
+            written: 0,
+            half: max_bytes.max(MIN_CONSOLE_LOG_BYTES) / 2,
+        })
+    }
+
     /// The newer file.
     pub fn path(&self) -> &Path {
         &self.path
@@ -217,6 +240,46 @@ mod tests {
         let t = tail(&path, 10, 5);
         assert!(t.len() <= 20, "{t:?}");
         assert_eq!(tail(&dir.path().join("none"), 4096, 5), "");
+    }
+
+    #[test]
+    fn rotation_works_on_descriptors_only() {
+        // Opened, then their names removed: a rotation that renamed or reopened by path would
+        // fail or lose the bound; this one keeps both files and the newest bytes.
+        let dir = tempfile::tempdir().unwrap();
+        let open = |name: &str| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(dir.path().join(name))
+                .unwrap()
+        };
+        let (current, previous) = (open("c"), open("p"));
+        let (mut c, mut p) = (current.try_clone().unwrap(), previous.try_clone().unwrap());
+        std::fs::remove_file(dir.path().join("c")).unwrap();
+        std::fs::remove_file(dir.path().join("p")).unwrap();
+        let bound = MIN_CONSOLE_LOG_BYTES;
+        let mut log =
+            ConsoleLog::from_files(Path::new("console"), current, previous, bound).unwrap();
+        let mut all = String::new();
+        for i in 0..2000u32 {
+            let line = format!("line {i}\n");
+            log.write_all(line.as_bytes()).unwrap();
+            all.push_str(&line);
+        }
+        let read = |f: &mut File| {
+            let mut s = String::new();
+            f.seek(SeekFrom::Start(0)).unwrap();
+            f.read_to_string(&mut s).unwrap();
+            s
+        };
+        let (newer, older) = (read(&mut c), read(&mut p));
+        assert!((newer.len() + older.len()) as u64 <= bound);
+        assert!(older.len() as u64 == bound / 2, "rotated: {}", older.len());
+        // The pair, older then newer, is the end of what was written, in order.
+        assert!(all.ends_with(&format!("{older}{newer}")));
     }
 
     #[test]
