@@ -140,3 +140,73 @@ fn a_vcpu_thread_that_opens_a_host_file_kills_the_process_with_sigsys() {
     let status = run_child("off");
     assert_eq!(status.code(), Some(0), "{status:?}");
 }
+
+/// A newc cpio archive holding one file `name` of `data`.
+fn newc(name: &str, data: &[u8]) -> Vec<u8> {
+    fn entry(out: &mut Vec<u8>, ino: u32, mode: u32, name: &str, data: &[u8]) {
+        let fields = [
+            ino,
+            mode,
+            0,
+            0,
+            1,
+            0,
+            data.len() as u32,
+            0,
+            0,
+            0,
+            0,
+            name.len() as u32 + 1,
+            0,
+        ];
+        out.extend_from_slice(b"070701");
+        for f in fields {
+            out.extend_from_slice(format!("{f:08x}").as_bytes());
+        }
+        out.extend_from_slice(name.as_bytes());
+        out.push(0);
+        while !out.len().is_multiple_of(4) {
+            out.push(0);
+        }
+        out.extend_from_slice(data);
+        while !out.len().is_multiple_of(4) {
+            out.push(0);
+        }
+    }
+    let mut out = Vec::new();
+    entry(&mut out, 1, 0o100644, name, data);
+    entry(&mut out, 0, 0, "TRAILER!!!", &[]);
+    out
+}
+
+/// A page sharing pass runs on its own confined thread: with an initrd (its template is made
+/// from the initrd's descriptor on the first VM, taken from the template folder on the
+/// second) and the kernel text captured, nothing it does is outside its filter.
+#[test]
+fn sharing_passes_with_an_initrd_run_under_the_page_sharing_filter() {
+    let dir = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..5 * 4096u32).map(|i| (i % 251) as u8).collect();
+    let initrd = dir.path().join("initrd.cpio");
+    std::fs::write(&initrd, newc("payload", &data)).unwrap();
+    let templates = dir.path().join("templates");
+    for round in 0..2 {
+        let (mut cfg, cap) = config("idle", 1, 64);
+        cfg.initrd = Some(initrd.clone());
+        cfg.page_sharing = Some(vmm::PageSharingConfig {
+            template_dir: templates.clone(),
+        });
+        let h = Vm::start(cfg).unwrap();
+        wait_for(&cap, "halting forever");
+        let report = h.share_pages().expect("a sharing pass");
+        assert!(
+            report
+                .templates
+                .iter()
+                .any(|t| t.starts_with("initrd-files-")),
+            "round {round}: {report}"
+        );
+        assert_eq!(report.captured_kernel_text, round == 0, "{report}");
+        h.stop();
+        assert_eq!(h.wait().unwrap(), VmExit::Stopped);
+    }
+}

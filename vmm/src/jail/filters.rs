@@ -481,7 +481,13 @@ fn page_sharing(b: &mut Builder, pid: u32) -> Result<(), JailError> {
         libc::SYS_getdents64,
         libc::SYS_geteuid,
     ]);
-    b.fcntls(&[libc::F_GETFL, libc::F_GETFD, libc::F_SETFD])?;
+    // The initrd's descriptor is duplicated to map it (F_DUPFD_CLOEXEC).
+    b.fcntls(&[
+        libc::F_GETFL,
+        libc::F_GETFD,
+        libc::F_SETFD,
+        libc::F_DUPFD_CLOEXEC,
+    ])?;
     // Pages mapped over guest RAM get guest RAM's marks again (vmm::memory::mark_guest_ram):
     // out of core dumps, and the mapping's name.
     b.madvise(&[libc::MADV_DONTDUMP])?;
