@@ -97,9 +97,6 @@ pub(crate) struct Running {
     /// Kept alive until the threads are gone (memory slots point into `mem`).
     pub(crate) vm: Option<KvmVm>,
     pub(crate) mem: Option<GuestMemory>,
-    /// The port and MMIO buses: the devices' last references, dropped here after the threads
-    /// are joined (never on a confined thread).
-    pub(crate) buses: Vec<Arc<vmm_devices::bus::Bus>>,
 }
 
 impl Running {
@@ -129,8 +126,8 @@ impl Running {
                 log::error!("the device event-loop thread panicked");
             }
         }
-        // vCPU fds are closed by their threads; now the devices, the VM and its memory.
-        self.buses.clear();
+        // vCPU fds are closed by their threads; now the VM and its memory (the devices go
+        // right after, in VmHandle::teardown).
         drop(self.vm.take());
         drop(self.mem.take());
     }
@@ -146,6 +143,10 @@ pub(crate) struct HandleDevices {
     pub(crate) page_sharing: Option<Mutex<VmSharing>>,
     /// With the jail on: the filter a sharing pass's own thread installs.
     pub(crate) sharing_filter: Option<crate::jail::ThreadFilter>,
+    /// The port and MMIO buses, which hold every device: their last references, dropped by
+    /// teardown after the VM's threads are joined, so that no device is dropped on a confined
+    /// thread (a vsock device removes its socket file when dropped).
+    pub(crate) buses: Mutex<Vec<Arc<vmm_devices::bus::Bus>>>,
 }
 
 /// A running VM. Dropping it stops the VM and releases everything.
@@ -403,6 +404,7 @@ impl VmHandle {
         if let Some(r) = lock(&self.running).take() {
             r.teardown(&self.shared);
         }
+        lock(&self.devices.buses).clear();
     }
 
     fn reap(&self) -> Result<VmExit, VmmError> {
@@ -431,7 +433,6 @@ pub(crate) fn new_running() -> Running {
         event_thread: None,
         vm: None,
         mem: None,
-        buses: Vec::new(),
     }
 }
 

@@ -268,8 +268,9 @@ impl Vm {
         running.mem = Some(mem);
         // The buses (and through them every device) outlive the VM's threads: a device's last
         // reference must not drop on a confined thread (a vsock device removes its socket file
-        // when dropped, which no confined thread may do).
-        running.buses = vec![pio.clone(), mmio.clone()];
+        // when dropped, which no confined thread may do). The handle keeps them; on a failed
+        // start, `pio` and `mmio` here do until the threads are joined.
+        let buses = vec![pio.clone(), mmio.clone()];
         let events = devices.events;
         let s = shared.clone();
         let serves_fs = cfg.shared_fs.is_some();
@@ -322,6 +323,7 @@ impl Vm {
                 balloon,
                 page_sharing: page_sharing.map(Mutex::new),
                 sharing_filter,
+                buses: Mutex::new(buses),
             }),
             boot_time,
             started_at,

@@ -115,7 +115,7 @@ fn child_escape_attempt() {
     std::process::exit(4);
 }
 
-fn run_child(jail: &str) -> std::process::ExitStatus {
+fn run_child(jail: &str) -> std::process::Output {
     Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -124,21 +124,30 @@ fn run_child(jail: &str) -> std::process::ExitStatus {
             "--test-threads=1",
         ])
         .env("VMM_JAIL_CHILD", jail)
-        .status()
+        .output()
         .unwrap()
 }
 
 #[test]
 fn a_vcpu_thread_that_opens_a_host_file_kills_the_process_with_sigsys() {
-    let status = run_child("on");
+    let out = run_child("on");
+    let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(
-        status.signal(),
+        out.status.signal(),
         Some(libc::SIGSYS),
-        "the confined vCPU thread's openat was not stopped: {status:?}"
+        "the confined vCPU thread's openat was not stopped: {:?}\n{stderr}",
+        out.status
     );
+    // The reason, written before the end: which call (openat is 257 on x86_64).
+    assert!(
+        stderr.contains(" made system call 257, which its seccomp filter forbids"),
+        "{stderr}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("ESCAPED"));
     // The same without the jail: the open works (what the filter prevents).
-    let status = run_child("off");
-    assert_eq!(status.code(), Some(0), "{status:?}");
+    let out = run_child("off");
+    assert_eq!(out.status.code(), Some(0), "{:?}", out.status);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ESCAPED: opened a host file: true"));
 }
 
 /// A newc cpio archive holding one file `name` of `data`.

@@ -5,9 +5,12 @@
 //! calls that role needs, most with their arguments checked (which `ioctl` requests, `mmap`
 //! and `mprotect` without `PROT_EXEC`, only anonymous private mappings, `socket` only for
 //! `AF_UNIX`, a short list of `fcntl` commands, `tgkill` only to this process). Anything else
-//! kills the whole process (`SECCOMP_RET_KILL_PROCESS`): a guest that took over a thread's
-//! code gets no second try, and the embedder learns of it as the death of the process
-//! (docs/security.md, "The VMM's confinement").
+//! kills the whole process: a guest that took over a thread's code gets no second try, and the
+//! embedder learns of it as the death of the process by `SIGSYS` (docs/security.md, "The
+//! VMM's confinement"). The call traps (`SECCOMP_RET_TRAP`) so that a handler can first write
+//! one line naming the thread and the call ([`report_violations_to`]); the handler then
+//! makes the kernel end the process (`report.rs` says how, and why a hijacked thread cannot
+//! use it to survive).
 //!
 //! The filters are built at run time with rust-vmm's `seccompiler` from the tables in
 //! [`filters`]: they depend on what the VM has ([`Needs`]: VFIO devices add the memory-slot
@@ -26,6 +29,9 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 pub mod channel;
 pub mod filters;
 pub mod process;
+mod report;
+
+pub use report::report_violations_to;
 
 /// What a thread of the VMM does, hence which system calls it may make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -100,6 +106,12 @@ pub enum JailError {
         #[source]
         source: seccompiler::Error,
     },
+    #[error("installing the SIGSYS handler for the {role} thread's filter: {source}")]
+    Handler {
+        role: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("this architecture has no VMM seccomp filters (x86_64 only)")]
     Arch,
 }
@@ -121,7 +133,7 @@ impl ThreadFilter {
         let syscalls = rules.len();
         let filter = SeccompFilter::new(
             rules.into_iter().collect::<BTreeMap<_, _>>(),
-            SeccompAction::KillProcess,
+            SeccompAction::Trap,
             SeccompAction::Allow,
             arch,
         )
@@ -161,6 +173,10 @@ impl ThreadFilter {
         // The C library sets up a thread's malloc arena on the thread's first allocation,
         // reading /sys (openat) to size it: do that now, while it is still allowed.
         drop(std::hint::black_box(Vec::<u8>::with_capacity(64)));
+        report::install_handler().map_err(|source| JailError::Handler {
+            role: self.role.name(),
+            source,
+        })?;
         seccompiler::apply_filter(&self.program).map_err(|source| JailError::Install {
             role: self.role.name(),
             source,
