@@ -452,7 +452,9 @@ impl TemplateDir {
                 Err(e) => return Err(bad(e.to_string())),
             }
         }
-        let fd = rustix::fs::open(path, Self::dir_flags(), Mode::empty())
+        // openat, not open: rustix's `open` is the `open` system call on x86_64, which the
+        // page sharing thread's seccomp filter does not allow.
+        let fd = rustix::fs::openat(rustix::fs::CWD, path, Self::dir_flags(), Mode::empty())
             .map_err(|e| bad(Self::open_reason(e)))?;
         Self::checked(path.to_path_buf(), fd)
     }

@@ -203,6 +203,9 @@ fn sharing_passes_with_an_initrd_run_under_the_page_sharing_filter() {
         cfg.initrd = Some(initrd.clone());
         cfg.page_sharing = Some(vmm::PageSharingConfig {
             template_dir: templates.clone(),
+            // A test guest that saw no pod input: it may capture the kernel text.
+            capture_kernel_text: true,
+            ..Default::default()
         });
         let h = Vm::start(cfg).unwrap();
         wait_for(&cap, "halting forever");

@@ -41,6 +41,7 @@ syscalls!(
     SYS_clock_nanosleep,
     SYS_close,
     SYS_connect,
+    SYS_copy_file_range,
     SYS_dup,
     SYS_epoll_ctl,
     SYS_epoll_pwait,
@@ -98,8 +99,10 @@ syscalls!(
     SYS_restart_syscall,
     SYS_rt_sigprocmask,
     SYS_rt_sigreturn,
+
     SYS_sched_getaffinity,
     SYS_sched_yield,
+    SYS_sendfile,
     SYS_sendmsg,
     SYS_sendto,
     SYS_setresgid,
@@ -480,6 +483,10 @@ fn page_sharing(b: &mut Builder, pid: u32) -> Result<(), JailError> {
         libc::SYS_pread64,
         libc::SYS_getdents64,
         libc::SYS_geteuid,
+        // A domain's copy of the captured kernel text (std::io::copy between two files:
+        // copy_file_range, sendfile where that is refused): bytes between descriptors it holds.
+        libc::SYS_copy_file_range,
+        libc::SYS_sendfile,
     ]);
     // The initrd's descriptor is duplicated to map it (F_DUPFD_CLOEXEC).
     b.fcntls(&[
