@@ -7,6 +7,9 @@ staging=/opt/microvm-staging                       # on the node: what `microvm 
 prefix=/opt/microvm
 here=${MICROVM_DEPLOY_ARTIFACTS:-/opt/microvm-deploy}   # in the image: the artifacts
 ready=${MICROVM_DEPLOY_READY:-/tmp/microvm-installed}    # the readiness probe's file
+# "true": install on nodes whose KVM cannot boot the guest, where pods run under QEMU's
+# software emulation (TCG, no security boundary); otherwise such a node is refused.
+allow_tcg=${MICROVM_ALLOW_SOFTWARE_EMULATION:-false}
 
 log() { echo "microvm-deploy: $*"; }
 
@@ -42,12 +45,18 @@ uninstall() {
   exit 0
 }
 
+case "$allow_tcg" in
+  true) tcg_flag=--allow-software-emulation ;;
+  false) tcg_flag= ;;
+  *) log "MICROVM_ALLOW_SOFTWARE_EMULATION must be true or false, not '$allow_tcg'"; exit 1 ;;
+esac
+
 log "staging the artifacts in $staging on the node"
 rm -rf "$host$staging"
 mkdir -p "$host$staging"
 cp -a "$here/bin/." "$host$staging/"
 on_node env MICROVM_VHOST_VSOCK="$staging/vhost-device-vsock" \
-  "$staging/microvm" install --prefix "$prefix" \
+  "$staging/microvm" install --prefix "$prefix" $tcg_flag \
   --kernel "$staging/vmlinux" --initrd "$staging/initrd.cpio"
 restart_containerd
 label_node '"true"'

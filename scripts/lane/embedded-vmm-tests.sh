@@ -103,6 +103,8 @@ for arg in "$@"; do
         args+=(--skip a_console_flood_keeps_the_host_console_log_within_its_bound)
       fi
       ;;
+    # Page sharing runs on the embedded VMM only: #[ignore]d where the pod suites run on QEMU.
+    cri_microvm_page_sharing) args=(--include-ignored --test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
     *) args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
   esac
   env+=("${containerd[@]}")

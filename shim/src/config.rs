@@ -19,13 +19,16 @@ pub const MAX_BLOCK_SLOTS: usize = 8;
 #[serde(rename_all = "lowercase")]
 pub enum Hypervisor {
     /// The embedded VMM where `microvm check-host` says the guest kernel boots under this
-    /// host's KVM, the QEMU backend elsewhere (`host_check::choose_backend`; the default).
+    /// host's KVM; elsewhere the QEMU backend where QEMU can use KVM, or on software emulation
+    /// (TCG) only with `allow_software_emulation`; else the pod fails with check-host's reason
+    /// (`host_check::choose_backend`; the default).
     #[default]
     Auto,
     /// The embedded VMM on /dev/kvm; a host that cannot boot the guest under it fails the pod
     /// at once with check-host's reason.
     Kvm,
-    /// Debian's QEMU `-M microvm` with vhost-device-vsock (TCG where KVM cannot boot the guest).
+    /// Debian's QEMU `-M microvm` with vhost-device-vsock, on KVM where QEMU can use it; on
+    /// software emulation (TCG) only with `allow_software_emulation`.
     Qemu,
 }
 
@@ -40,15 +43,23 @@ pub enum BootFiles {
     Copy,
 }
 
-/// Which guest pages the embedded VMM shares between pods (docs/page-sharing.md).
+/// Between which pods the embedded VMM shares guest pages (docs/page-sharing.md). What is
+/// shared is the same in each case: pages equal to public templates (the initrd's files, the
+/// kernel text as a guest that saw no pod input patched it) are mapped from template files and
+/// zero pages dropped, once the agent answered; never pages equal to what another pod holds.
+/// Sharing a page lets pods time each other's use of it (Flush+Reload): the setting says whose
+/// pods may.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum PageSharing {
-    /// Pages equal to public content (the initrd's files, the kernel text as every guest
-    /// patches it) are mapped from shared template files, zero pages dropped, once the agent
-    /// answered. Never pages equal to what another pod holds.
+    /// Only pods of the same Kubernetes namespace (the sandbox's
+    /// `io.kubernetes.cri.sandbox-namespace`) map the same template files. A pod without a
+    /// namespace shares with nobody.
     #[default]
-    Public,
+    Namespace,
+    /// Every pod of the node maps the same template files (`public` is the old name of this).
+    #[serde(alias = "public")]
+    Node,
     /// Nothing is shared.
     Off,
 }
@@ -59,6 +70,10 @@ pub enum PageSharing {
 pub struct Config {
     /// The VM backend.
     pub hypervisor: Hypervisor,
+    /// Whether a pod may run under QEMU's software emulation (TCG) where this host's KVM
+    /// cannot run the guest. TCG is no security boundary (QEMU's own security policy), so it
+    /// is never chosen without this; each pod that runs on it logs a warning.
+    pub allow_software_emulation: bool,
     /// The guest kernel (uncompressed vmlinux).
     pub kernel: PathBuf,
     /// The initramfs with the agent as /init.
@@ -88,10 +103,12 @@ pub struct Config {
     /// frees, so the host takes those pages back (docs/virtio-balloon.md). Pods with VFIO
     /// devices never get it.
     pub free_page_reporting: bool,
-    /// Embedded VMM: share guest pages equal to public templates between pods (`public`, the
-    /// default) or not (`off`). Pods with VFIO devices never do.
+    /// Embedded VMM: share guest pages equal to public templates between pods of one
+    /// namespace (`namespace`, the default), of the node (`node`), or not (`off`). Pods with
+    /// VFIO devices never do.
     pub page_sharing: PageSharing,
-    /// Where the page templates are kept (root-owned, 0700; emptied by a host reboot).
+    /// Where the page templates are kept (root-owned, 0700, a directory per trust domain;
+    /// emptied by a host reboot).
     pub page_templates_dir: PathBuf,
 }
 
@@ -161,6 +178,11 @@ pub struct QemuSettings {
     pub binary: PathBuf,
     /// The vhost-device-vsock binary.
     pub vhost_vsock_binary: PathBuf,
+    /// The first id of the uid/gid range the QEMU backend's guest-facing processes (QEMU,
+    /// vhost-device-vsock) run as: each pod's are `jail_id_base + its shim's pid`, a range of
+    /// `vm::qemu::JAIL_ID_RANGE` ids that need no passwd entry and that nothing else on the
+    /// node may use.
+    pub jail_id_base: u32,
 }
 
 impl Default for QemuSettings {
@@ -168,6 +190,7 @@ impl Default for QemuSettings {
         QemuSettings {
             binary: PathBuf::from(crate::vm::qemu::DEFAULT_QEMU),
             vhost_vsock_binary: crate::vm::qemu::default_vhost_vsock_binary(),
+            jail_id_base: crate::vm::qemu::DEFAULT_JAIL_ID_BASE,
         }
     }
 }
@@ -176,6 +199,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             hypervisor: Hypervisor::default(),
+            allow_software_emulation: false,
             kernel: PathBuf::from("/usr/share/microvm/vmlinux"),
             initrd: PathBuf::from("/usr/share/microvm/initrd.cpio"),
             boot_files: BootFiles::default(),
@@ -271,6 +295,14 @@ impl Config {
                  {MAX_BLOCK_SLOTS}"
             ));
         }
+        if crate::vm::qemu::jail_id(self.qemu.jail_id_base).is_none() {
+            return Err(format!(
+                "qemu.jail_id_base {} must be at least 1 and leave room for {} ids below {}",
+                self.qemu.jail_id_base,
+                crate::vm::qemu::JAIL_ID_RANGE,
+                u32::MAX
+            ));
+        }
         for (what, p) in [("kernel", &self.kernel), ("initrd", &self.initrd)] {
             if let Err(e) = std::fs::metadata(p) {
                 return Err(format!("{what} {}: {e}", p.display()));
@@ -302,9 +334,9 @@ mod tests {
     }
 
     #[test]
-    fn page_sharing_is_public_unless_off() {
+    fn page_sharing_is_per_namespace_unless_set() {
         let c = Config::default();
-        assert_eq!(c.page_sharing, PageSharing::Public);
+        assert_eq!(c.page_sharing, PageSharing::Namespace);
         assert_eq!(
             c.page_templates_dir,
             PathBuf::from("/run/microvm-page-templates")
@@ -313,6 +345,14 @@ mod tests {
         assert_eq!(c.page_sharing, PageSharing::Off);
         assert_eq!(c.page_templates_dir, PathBuf::from("/x"));
         assert!(Config::parse("page_sharing = \"all\"\n").is_err());
+        for (text, want) in [
+            ("node", PageSharing::Node),
+            ("public", PageSharing::Node),
+            ("namespace", PageSharing::Namespace),
+        ] {
+            let c = Config::parse(&format!("page_sharing = \"{text}\"\n")).unwrap();
+            assert_eq!(c.page_sharing, want, "{text}");
+        }
         let c = Config::parse("[cgroup]\nenabled = false\noverhead_memory_mib = 64\n").unwrap();
         assert!(!c.cgroup.enabled);
         assert_eq!(c.cgroup.overhead_memory_mib, 64);
@@ -338,6 +378,27 @@ mod tests {
             assert_eq!(c.hypervisor, want, "{text}");
         }
         assert!(Config::parse("hypervisor = \"Auto\"\n").is_err());
+    }
+
+    #[test]
+    fn jail_id_base_is_checked() {
+        assert_eq!(Config::default().qemu.jail_id_base, 2_000_000_000);
+        let c = Config::parse("[qemu]\njail_id_base = 300000000\n").unwrap();
+        assert_eq!(c.qemu.jail_id_base, 300_000_000);
+        for bad in [0, u32::MAX - 10] {
+            let c = Config::parse(&format!("[qemu]\njail_id_base = {bad}\n")).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.contains("jail_id_base"), "{e}");
+        }
+        assert!(Config::parse("[qemu]\njail_id_base = -1\n").is_err());
+    }
+
+    #[test]
+    fn software_emulation_needs_the_opt_in() {
+        assert!(!Config::default().allow_software_emulation);
+        let c = Config::parse("allow_software_emulation = true\n").unwrap();
+        assert!(c.allow_software_emulation);
+        assert!(Config::parse("allow_software_emulation = \"yes\"\n").is_err());
     }
 
     #[test]

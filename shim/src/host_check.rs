@@ -3,15 +3,17 @@
 //!
 //! The answer matters because some hosts expose a `/dev/kvm` that cannot boot a stock Linux
 //! guest: kvm-pvm (a software nested hypervisor) runs guest code but only boots guest kernels
-//! built with PVM guest support. There the product falls back to the QEMU backend
-//! or fails fast with the reason, instead of hanging in a guest that never comes up.
-//! [`choose_backend`] is the one place that turns this answer into a backend for
-//! `hypervisor = "auto"` (the shim's default) and `microvm boot --backend auto`.
+//! built with PVM guest support. There the product fails fast with the reason instead of hanging
+//! in a guest that never comes up, or runs the guest under QEMU's software emulation where the
+//! operator allowed it (`allow_software_emulation`). [`choose_backend`] is the one place that
+//! turns this answer and the config into a backend, for the shim and `microvm boot --backend`.
 
 use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use crate::config::Hypervisor;
+use crate::vm::qemu::Accel;
 use crate::vm::Backend;
 
 /// The kind of KVM this host offers.
@@ -192,38 +194,113 @@ impl HostReport {
     }
 }
 
-/// Which VM backend runs Linux guests on this host when the config says `hypervisor = "auto"`
-/// (or `microvm boot --backend auto`), and why.
+/// Which VM backend runs Linux guests on this host for the config's `hypervisor` (or
+/// `microvm boot --backend`), and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackendChoice {
     /// The backend chosen.
     pub backend: Backend,
+    /// QEMU's accelerator when `backend` is QEMU ([`Accel::Kvm`] or [`Accel::Tcg`], never
+    /// [`Accel::Auto`]); `None` for the embedded VMM.
+    pub qemu_accel: Option<Accel>,
     /// Why: the KVM kind when the embedded VMM can boot the guest, else check-host's blocker.
     pub reason: String,
 }
 
+impl BackendChoice {
+    /// Whether the guest runs under QEMU's software emulation (TCG).
+    pub fn software_emulation(&self) -> bool {
+        self.qemu_accel == Some(Accel::Tcg)
+    }
+}
+
 impl fmt::Display for BackendChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let backend = match self.backend {
-            Backend::Kvm => "embedded VMM",
-            Backend::Qemu => "QEMU backend",
+        let backend = match self.qemu_accel {
+            None => "embedded VMM",
+            Some(Accel::Tcg) => "QEMU backend on software emulation (TCG)",
+            Some(_) => "QEMU backend on KVM",
         };
         write!(f, "{backend} ({})", self.reason)
     }
 }
 
-/// Resolves `auto`: the embedded VMM wherever check-host says Linux guests boot under it
-/// ([`HostReport::linux_guest_bootable`]), the QEMU backend elsewhere.
-pub fn choose_backend(report: &HostReport) -> BackendChoice {
-    match report.linux_guest_blocker() {
-        None => BackendChoice {
-            backend: Backend::Kvm,
-            reason: format!("kvm: {}, guest kernel can boot", report.kvm_kind),
-        },
-        Some(why) => BackendChoice {
+/// Why no backend may run the guest here as configured: the message a pod's user reads.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendRefusal {
+    /// `hypervisor = "kvm"` where the embedded VMM cannot boot the guest.
+    #[error(
+        "this host cannot boot the guest under KVM: {0} (hypervisor = \"qemu\" in the config \
+         runs it under QEMU)"
+    )]
+    KvmUnusable(String),
+    /// The only way left is QEMU's software emulation, and the config does not allow it.
+    #[error(
+        "{why}; QEMU would run the guest under software emulation (TCG), which is no security \
+         boundary: set allow_software_emulation = true in the microvm config to run pods on it \
+         anyway (docs/qemu-backend.md)"
+    )]
+    SoftwareEmulation {
+        /// check-host's reason why the guest cannot run on hardware virtualization here.
+        why: String,
+    },
+}
+
+/// QEMU's accelerator on a host with this kind of KVM: KVM where it rests on VMX/SVM (on bare
+/// metal, nested, or SVM emulated by QEMU's TCG one level down), TCG otherwise: kvm-pvm cannot
+/// boot a stock Linux guest.
+pub fn qemu_accel_for(kind: KvmKind) -> Accel {
+    match kind {
+        KvmKind::Hardware | KvmKind::Nested | KvmKind::SvmEmulatedByQemuTcg => Accel::Kvm,
+        KvmKind::Pvm | KvmKind::Unknown | KvmKind::None => Accel::Tcg,
+    }
+}
+
+/// The one rule that turns check-host's answer and the config into a backend:
+/// - `kvm`: the embedded VMM, or [`BackendRefusal::KvmUnusable`] with check-host's blocker.
+/// - `auto`: the embedded VMM wherever check-host says Linux guests boot under it
+///   ([`HostReport::linux_guest_bootable`]); else the QEMU backend where QEMU can use KVM; else
+///   QEMU on software emulation only when `allow_software_emulation`, or
+///   [`BackendRefusal::SoftwareEmulation`] with check-host's blocker.
+/// - `qemu`: the QEMU backend on KVM where it can use it; on TCG only when
+///   `allow_software_emulation`, else [`BackendRefusal::SoftwareEmulation`].
+pub fn choose_backend(
+    report: &HostReport,
+    hypervisor: Hypervisor,
+    allow_software_emulation: bool,
+) -> Result<BackendChoice, BackendRefusal> {
+    let blocker = report.linux_guest_blocker();
+    let accel = qemu_accel_for(report.kvm_kind);
+    let qemu_why = || {
+        format!(
+            "QEMU cannot use this host's KVM ({}: {})",
+            report.kvm_kind,
+            report.kvm_kind.description()
+        )
+    };
+    let qemu = |reason: String| -> Result<BackendChoice, BackendRefusal> {
+        if accel == Accel::Tcg && !allow_software_emulation {
+            return Err(BackendRefusal::SoftwareEmulation { why: reason });
+        }
+        Ok(BackendChoice {
             backend: Backend::Qemu,
-            reason: why,
-        },
+            qemu_accel: Some(accel),
+            reason,
+        })
+    };
+    match (hypervisor, blocker) {
+        (Hypervisor::Kvm | Hypervisor::Auto, None) => Ok(BackendChoice {
+            backend: Backend::Kvm,
+            qemu_accel: None,
+            reason: format!("kvm: {}, guest kernel can boot", report.kvm_kind),
+        }),
+        (Hypervisor::Kvm, Some(why)) => Err(BackendRefusal::KvmUnusable(why)),
+        (Hypervisor::Auto, Some(why)) => qemu(why),
+        (Hypervisor::Qemu, _) => qemu(if accel == Accel::Tcg {
+            qemu_why()
+        } else {
+            format!("hypervisor = \"qemu\", kvm: {}", report.kvm_kind)
+        }),
     }
 }
 
@@ -762,32 +839,116 @@ mod tests {
         ] {
             let r = report(kind, vec![], Some(true));
             assert!(r.linux_guest_bootable());
-            let c = choose_backend(&r);
-            assert_eq!(c.backend, Backend::Kvm, "{kind}");
-            assert_eq!(c.reason, format!("kvm: {kind}, guest kernel can boot"));
+            for allow in [false, true] {
+                let c = choose_backend(&r, Hypervisor::Auto, allow).unwrap();
+                assert_eq!(c.backend, Backend::Kvm, "{kind}");
+                assert_eq!(c.qemu_accel, None);
+                assert_eq!(c.reason, format!("kvm: {kind}, guest kernel can boot"));
+            }
         }
         assert_eq!(
-            choose_backend(&report(KvmKind::Hardware, vec![], Some(true))).to_string(),
+            choose_backend(
+                &report(KvmKind::Hardware, vec![], Some(true)),
+                Hypervisor::Auto,
+                false
+            )
+            .unwrap()
+            .to_string(),
             "embedded VMM (kvm: hardware, guest kernel can boot)"
         );
-        let c = choose_backend(&report(KvmKind::Pvm, vec![], Some(false)));
+    }
+
+    #[test]
+    fn auto_refuses_software_emulation_without_the_opt_in() {
+        let pvm = report(KvmKind::Pvm, vec![], Some(false));
+        let e = choose_backend(&pvm, Hypervisor::Auto, false).unwrap_err();
+        assert_eq!(
+            e,
+            BackendRefusal::SoftwareEmulation {
+                why: "this host's KVM is kvm-pvm, which boots only PVM kernels".into()
+            }
+        );
+        let msg = e.to_string();
+        assert!(msg.starts_with("this host's KVM is kvm-pvm, which boots only PVM kernels; "));
+        assert!(msg.contains("allow_software_emulation = true"), "{msg}");
+        let c = choose_backend(&pvm, Hypervisor::Auto, true).unwrap();
         assert_eq!(c.backend, Backend::Qemu);
+        assert_eq!(c.qemu_accel, Some(Accel::Tcg));
+        assert!(c.software_emulation());
         assert_eq!(
             c.to_string(),
-            "QEMU backend (this host's KVM is kvm-pvm, which boots only PVM kernels)"
+            "QEMU backend on software emulation (TCG) (this host's KVM is kvm-pvm, which boots \
+             only PVM kernels)"
         );
-        let c = choose_backend(&report(KvmKind::None, vec![], Some(false)));
-        assert_eq!(c.backend, Backend::Qemu);
-        assert_eq!(c.reason, "no usable KVM: why");
-        let c = choose_backend(&report(
+        let none = report(KvmKind::None, vec![], Some(false));
+        assert_eq!(
+            choose_backend(&none, Hypervisor::Auto, false),
+            Err(BackendRefusal::SoftwareEmulation {
+                why: "no usable KVM: why".into()
+            })
+        );
+        assert_eq!(
+            choose_backend(&none, Hypervisor::Auto, true)
+                .unwrap()
+                .reason,
+            "no usable KVM: why"
+        );
+        // Hardware KVM the embedded VMM cannot use: QEMU runs on KVM, no opt-in needed.
+        for r in [
+            report(KvmKind::Hardware, vec!["KVM_CAP_IRQFD"], Some(true)),
+            report(KvmKind::Nested, vec![], None),
+        ] {
+            let c = choose_backend(&r, Hypervisor::Auto, false).unwrap();
+            assert_eq!(c.backend, Backend::Qemu);
+            assert_eq!(c.qemu_accel, Some(Accel::Kvm));
+            assert!(!c.software_emulation());
+            assert_eq!(Some(c.reason), r.linux_guest_blocker());
+        }
+    }
+
+    #[test]
+    fn kvm_is_refused_with_check_hosts_reason() {
+        let pvm = report(KvmKind::Pvm, vec![], Some(false));
+        for allow in [false, true] {
+            assert_eq!(
+                choose_backend(&pvm, Hypervisor::Kvm, allow),
+                Err(BackendRefusal::KvmUnusable(
+                    "this host's KVM is kvm-pvm, which boots only PVM kernels".into()
+                ))
+            );
+        }
+        let hw = report(KvmKind::Hardware, vec![], Some(true));
+        let c = choose_backend(&hw, Hypervisor::Kvm, false).unwrap();
+        assert_eq!((c.backend, c.qemu_accel), (Backend::Kvm, None));
+    }
+
+    #[test]
+    fn qemu_on_tcg_needs_the_opt_in_and_on_kvm_does_not() {
+        for kind in [KvmKind::Pvm, KvmKind::Unknown, KvmKind::None] {
+            let r = report(kind, vec![], Some(kind != KvmKind::Pvm));
+            let e = choose_backend(&r, Hypervisor::Qemu, false).unwrap_err();
+            let BackendRefusal::SoftwareEmulation { why } = &e else {
+                panic!("{kind}: {e}");
+            };
+            assert!(
+                why.starts_with(&format!("QEMU cannot use this host's KVM ({kind}: ")),
+                "{why}"
+            );
+            let c = choose_backend(&r, Hypervisor::Qemu, true).unwrap();
+            assert_eq!((c.backend, c.qemu_accel), (Backend::Qemu, Some(Accel::Tcg)));
+        }
+        for kind in [
             KvmKind::Hardware,
-            vec!["KVM_CAP_IRQFD"],
-            Some(true),
-        ));
-        assert_eq!(c.backend, Backend::Qemu);
-        assert!(c.reason.contains("KVM_CAP_IRQFD"), "{}", c.reason);
-        let c = choose_backend(&report(KvmKind::Hardware, vec![], None));
-        assert_eq!(c.backend, Backend::Qemu);
-        assert_eq!(c.reason, "no guest kernel was given to check");
+            KvmKind::Nested,
+            KvmKind::SvmEmulatedByQemuTcg,
+        ] {
+            let c =
+                choose_backend(&report(kind, vec![], Some(true)), Hypervisor::Qemu, false).unwrap();
+            assert_eq!((c.backend, c.qemu_accel), (Backend::Qemu, Some(Accel::Kvm)));
+            assert_eq!(
+                c.to_string(),
+                format!("QEMU backend on KVM (hypervisor = \"qemu\", kvm: {kind})")
+            );
+        }
     }
 }

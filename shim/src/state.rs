@@ -461,8 +461,13 @@ mod tests {
         let d = StateDir::new(root, &"ab12".repeat(16)).unwrap();
         assert_eq!(d.path(), root.join("ab12".repeat(16)));
         // The longest socket of a VM stays within a Unix socket path.
-        let sock = d.vm_dir().join("vhost-user-vsock.sock");
-        assert!(sock.as_os_str().len() <= 107, "{}", sock.display());
+        for sock in [
+            crate::vm::qemu::vsock_uds_in(&d.vm_dir()).with_file_name("vhost-user.sock"),
+            crate::vm::qemu::vsock_uds_in(&d.vm_dir()).with_file_name("vsock.sock_1026"),
+            d.vm_dir().join("virtiofsd.sock"),
+        ] {
+            assert!(sock.as_os_str().len() <= 107, "{}", sock.display());
+        }
     }
 
     #[test]

@@ -795,7 +795,11 @@ pub fn choose_vm_backend(microvm: &Path, kernel: &Path) -> Result<VmBackend, Lif
     })
 }
 
-/// Writes a `microvm` shim config (what `ConfigPath` names) to `<dir>/microvm.toml`.
+/// Writes a `microvm` shim config (what `ConfigPath` names) to `<dir>/microvm.toml`. With
+/// `hypervisor = "qemu"` it sets `allow_software_emulation = true`: [`choose_vm_backend`] picks
+/// QEMU only where the embedded VMM cannot boot our guest, which on the hosts we run on (kvm-pvm,
+/// no KVM) means QEMU's TCG; the shim refuses that without the opt-in and warns once per pod
+/// with it.
 pub fn write_shim_config(
     dir: &Path,
     hypervisor: &str,
@@ -805,13 +809,16 @@ pub fn write_shim_config(
 ) -> Result<PathBuf, LifecycleError> {
     let quote = |s: &str| serde_json::Value::String(s.to_string()).to_string();
     let path = dir.join("microvm.toml");
-    let text = format!(
+    let mut text = format!(
         "hypervisor = {}\nkernel = {}\ninitrd = {}\nlog_level = {}\n",
         quote(hypervisor),
         quote(&kernel.to_string_lossy()),
         quote(&initrd.to_string_lossy()),
         quote(log_level),
     );
+    if hypervisor == "qemu" {
+        text.push_str("allow_software_emulation = true\n");
+    }
     std::fs::write(&path, text).map_err(|source| LifecycleError::Io {
         what: format!("writing {}", path.display()),
         source,

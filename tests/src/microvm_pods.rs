@@ -99,20 +99,36 @@ pub fn test_hypervisor() -> String {
 
 pub fn write_config_for(dir: &Path, kernel: Option<&Path>, hypervisor: &str) -> PathBuf {
     let initrd = repo().join("build").join("initrd.cpio");
-    write_config_with(dir, kernel, &initrd, hypervisor)
+    write_config_with(dir, kernel, &initrd, hypervisor, hypervisor == "qemu")
 }
 
 /// A shim config on the [`test_hypervisor`] backend booting `initrd` (e.g. the hostile agent's
 /// build/initrd-hostile.cpio) with our kernel.
 pub fn write_config_with_initrd(dir: &Path, initrd: &Path) -> PathBuf {
-    write_config_with(dir, None, initrd, &test_hypervisor())
+    let hypervisor = test_hypervisor();
+    write_config_with(dir, None, initrd, &hypervisor, hypervisor == "qemu")
 }
 
+/// A shim config with `hypervisor` and `allow_software_emulation` as given, our kernel and
+/// initrd (the tests of the backend choice).
+pub fn write_config_choosing(
+    dir: &Path,
+    hypervisor: &str,
+    allow_software_emulation: bool,
+) -> PathBuf {
+    let initrd = repo().join("build").join("initrd.cpio");
+    write_config_with(dir, None, &initrd, hypervisor, allow_software_emulation)
+}
+
+/// Writes the config. The other writers give `hypervisor = "qemu"`
+/// `allow_software_emulation = true`: the pod tests' QEMU backend runs on TCG on the hosts whose
+/// KVM cannot boot our guest (kvm-pvm here), which the shim refuses without the opt-in.
 fn write_config_with(
     dir: &Path,
     kernel: Option<&Path>,
     initrd: &Path,
     hypervisor: &str,
+    allow_software_emulation: bool,
 ) -> PathBuf {
     let build = repo().join("build");
     let default_kernel = build.join("vmlinux");
@@ -130,9 +146,14 @@ fn write_config_with(
     std::fs::write(
         &path,
         format!(
-            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n",
+            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n{}",
             kernel.display(),
-            initrd.display()
+            initrd.display(),
+            if allow_software_emulation {
+                "allow_software_emulation = true\n"
+            } else {
+                ""
+            }
         ),
     )
     .unwrap();

@@ -227,6 +227,78 @@ async fn kvm_backend_runs_the_pod_or_fails_fast_with_check_hosts_reason() {
     }
 }
 
+/// `hypervisor = "auto"` never picks software emulation silently. Where the embedded VMM cannot
+/// boot our guest and QEMU would have to use TCG (kvm-pvm here), a pod without
+/// `allow_software_emulation` fails fast with check-host's reason and leaves nothing; with the
+/// opt-in it runs on QEMU's TCG and the shim logs it at warn, once for the pod. Where the
+/// embedded VMM boots the guest, auto runs the pod there with or without the opt-in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_backend_refuses_software_emulation_without_the_opt_in_and_runs_with_it() {
+    use shim::config::Hypervisor;
+    let _serial = SERIAL.lock().await;
+    let kernel = repo().join("build/vmlinux");
+    let report = shim::host_check::probe(Some(&kernel));
+    let refused = shim::host_check::choose_backend(&report, Hypervisor::Auto, false).is_err();
+    let warning = "the guest runs under software emulation, which is no security boundary";
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config_choosing(dir.path(), "auto", false);
+    let (ctrd, cri) = start(&config).await;
+    let before = state_entries();
+    let t = Instant::now();
+    let result = cri
+        .run_pod_sandbox(
+            ctrd.pod_config("microvm-auto-no-tcg", HashMap::new())
+                .unwrap(),
+            "microvm",
+        )
+        .await;
+    let took = t.elapsed();
+    if refused {
+        let reason = report
+            .linux_guest_blocker()
+            .expect("refused only where the embedded VMM cannot boot the guest");
+        let err = result
+            .expect_err("RunPodSandbox must fail: auto without the opt-in on a TCG-only host")
+            .to_string();
+        assert!(
+            err.contains(&reason),
+            "{err}
+expected check-host's reason: {reason}"
+        );
+        assert!(err.contains("allow_software_emulation = true"), "{err}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        assert_nothing_new(&ctrd, &before);
+        let log = std::fs::read_to_string(ctrd.dir().join("containerd.log")).unwrap_or_default();
+        assert!(!log.contains(warning), "no TCG pod ran, yet:\n{log}");
+        eprintln!("auto without the opt-in: RunPodSandbox failed in {took:?}: {err}");
+    } else {
+        let pod = result.unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        remove_pod(&ctrd, &cri, &pod).await;
+    }
+    drop(cri);
+    drop(ctrd);
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config_choosing(dir.path(), "auto", true);
+    let (ctrd, cri) = start(&config).await;
+    let pod = run_pod(&ctrd, &cri, "microvm-auto-tcg").await;
+    let log = std::fs::read_to_string(ctrd.dir().join("containerd.log")).unwrap_or_default();
+    let warnings = log.lines().filter(|l| l.contains(warning)).count();
+    if refused {
+        assert_eq!(warnings, 1, "one warning for the pod:\n{log}");
+        let vm = processes_mentioning(&format!("{STATE_ROOT}/{}", pod.id));
+        assert!(
+            vm.iter()
+                .any(|(_, cmd)| cmd.contains("qemu-system") && cmd.contains("-accel tcg")),
+            "no QEMU on TCG for the pod: {vm:?}"
+        );
+    } else {
+        assert_eq!(warnings, 0, "{log}");
+    }
+    remove_pod(&ctrd, &cri, &pod).await;
+}
+
 /// The pod's app containers: rootfs and bind sources shared into the VM over virtio-fs, run by
 /// the agent, output in the CRI log, exact exit code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

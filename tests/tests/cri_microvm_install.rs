@@ -65,6 +65,9 @@ impl Layout {
             build.join("vmlinux").display().to_string(),
             "--initrd".into(),
             build.join("initrd.cpio").display().to_string(),
+            // Pods here may run on QEMU's TCG (kvm-pvm cannot boot our guest), which install
+            // refuses without the opt-in.
+            "--allow-software-emulation".into(),
         ]
     }
 }

@@ -494,6 +494,9 @@ fn linux_guest_shares_public_pages_and_still_works() {
     });
     cfg.page_sharing = Some(vmm::PageSharingConfig {
         template_dir: template_dir.clone(),
+        domain: vmm::page_sharing::NODE_DOMAIN.into(),
+        // Our busybox guest has seen no pod input: it may capture its kernel text.
+        capture_kernel_text: true,
     });
     let handle = vmm::Vm::start(cfg).expect("the VM starts");
     wait_for(&console, "share-test: ready", Duration::from_secs(180));
@@ -532,17 +535,27 @@ fn linux_guest_shares_public_pages_and_still_works() {
         std::fs::metadata(p).expect("stat").permissions().mode() & 0o777
     };
     assert_eq!(mode(&template_dir), 0o700);
-    let mut names = Vec::new();
-    for e in std::fs::read_dir(&template_dir).expect("the template dir") {
-        let p = e.expect("an entry").path();
-        assert_eq!(mode(&p), 0o444, "{}", p.display());
-        names.push(e_name(&p));
-    }
-    names.sort();
-    // The two templates and the two files' remembered sums, nothing else (no temporary file).
-    assert_eq!(names.len(), 4, "{names:?}");
+    let names_in = |dir: &std::path::Path| {
+        assert_eq!(mode(dir), 0o700, "{}", dir.display());
+        let mut names = Vec::new();
+        for e in std::fs::read_dir(dir).expect("a template dir") {
+            let p = e.expect("an entry").path();
+            assert_eq!(mode(&p), 0o444, "{}", p.display());
+            names.push(e_name(&p));
+        }
+        names.sort();
+        names
+    };
+    // The domain's two templates, nothing else (no temporary file) ...
+    let names = names_in(&template_dir.join(vmm::page_sharing::NODE_DOMAIN));
+    assert_eq!(names.len(), 2, "{names:?}");
     assert!(names[0].starts_with("initrd-files-"), "{names:?}");
     assert!(names[1].starts_with("kernel-text-"), "{names:?}");
+    // ... and the captured kernel text (a file of its own: the domain maps a copy) with the
+    // two files' remembered sums.
+    let captured = names_in(&template_dir.join(vmm::page_sharing::CAPTURED_DIR));
+    assert_eq!(captured.len(), 3, "{captured:?}");
+    assert_eq!(captured[0], names[1], "{captured:?}");
 
     std::fs::write(share.path().join("go"), b"").expect("the go file");
     wait_for(&console, "share-test: done", Duration::from_secs(120));

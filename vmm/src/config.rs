@@ -194,6 +194,10 @@ pub struct VmConfig {
     /// templates (the initrd's files, the kernel text) from shared template files. Not with
     /// `vfio` (pinned pages).
     pub page_sharing: Option<crate::page_sharing::PageSharingConfig>,
+    /// Each vCPU thread and the device event-loop thread install their role's seccomp filter
+    /// as they start, before they touch guest data ([`crate::jail`], docs/security.md "The
+    /// VMM's confinement"). On by default; off only to find a missing system call.
+    pub jail: bool,
 }
 
 impl VmConfig {
@@ -215,6 +219,7 @@ impl VmConfig {
             boot_protocol: BootProtocol::Auto,
             boot_files: BootFiles::Map,
             page_sharing: None,
+            jail: true,
         }
     }
 

@@ -3,9 +3,13 @@
 //! the host's disk, and reading the console's end for an error message must not read it all.
 //!
 //! [`ConsoleLog`] is a ring of two files: `<path>` holds the newest bytes, `<path>.1` the
-//! half before. Once `<path>` holds `max_bytes / 2`, it is renamed over `<path>.1` and a new
-//! `<path>` begins, so the pair never holds more than `max_bytes` and always the last
-//! `max_bytes / 2` at least. `cat <path>.1 <path>` is the console's end, in order.
+//! half before. Once `<path>` holds `max_bytes / 2`, its bytes are copied over `<path>.1` and
+//! `<path>` starts again from empty, so the pair never holds more than `max_bytes` and always
+//! the last `max_bytes / 2` at least. `cat <path>.1 <path>` is the console's end, in order.
+//! Both files are opened once, at the start: the rotation works on their descriptors only
+//! (read, write, seek, truncate), never by path, so the vCPU thread that writes the serial
+//! needs no file-system call in its seccomp filter ([`crate::jail`]). The price is one copy of
+//! half the bound per rotation.
 //! [`tail`] reads the last lines from the end of the pair, bounded in bytes.
 //!
 //! Used by the embedded VMM's serial ([`crate::SerialSink::File`]) and by the shim's QEMU
@@ -32,15 +36,17 @@ pub fn previous_path(path: &Path) -> PathBuf {
 #[derive(Debug)]
 pub struct ConsoleLog {
     path: PathBuf,
-    previous: PathBuf,
     file: File,
+    previous: File,
     written: u64,
     half: u64,
 }
 
-/// Creates (or truncates) `path` for writing, never following a symlink at its last component.
+/// Creates (or truncates) `path` for reading and writing, never following a symlink at its
+/// last component.
 fn create(path: &Path) -> io::Result<File> {
     OpenOptions::new()
+        .read(true)
         .write(true)
         .create(true)
         .truncate(true)
@@ -50,19 +56,36 @@ fn create(path: &Path) -> io::Result<File> {
 }
 
 impl ConsoleLog {
-    /// A new, empty console log at `path` (and `<path>.1`, removed if left over) holding at
-    /// most `max_bytes` in all.
+    /// A new, empty console log at `path` (and an empty `<path>.1`, whatever was left there)
+    /// holding at most `max_bytes` in all.
     pub fn create(path: &Path, max_bytes: u64) -> io::Result<Self> {
-        let previous = previous_path(path);
-        match std::fs::remove_file(&previous) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
         Ok(ConsoleLog {
             file: create(path)?,
+            previous: create(&previous_path(path))?,
             path: path.to_path_buf(),
+            written: 0,
+            half: max_bytes.max(MIN_CONSOLE_LOG_BYTES) / 2,
+        })
+    }
+
+    /// A console log on two files opened by someone else (a VMM in a process of its own gets
+    /// descriptors, never paths): `current` is `<path>`, `previous` `<path>.1`; both are
+    /// truncated. `path` only names the log in messages. The files must be open for reading
+    /// and writing.
+    pub fn from_files(
+        path: &Path,
+        mut current: File,
+        mut previous: File,
+        max_bytes: u64,
+    ) -> io::Result<Self> {
+        for f in [&mut current, &mut previous] {
+            f.set_len(0)?;
+            f.seek(SeekFrom::Start(0))?;
+        }
+        Ok(ConsoleLog {
+            file: current,
             previous,
+            path: path.to_path_buf(),
             written: 0,
             half: max_bytes.max(MIN_CONSOLE_LOG_BYTES) / 2,
         })
@@ -73,18 +96,33 @@ impl ConsoleLog {
         &self.path
     }
 
-    /// Begins a new `<path>`, the current one becoming `<path>.1`. Should the rename fail (the
-    /// folder is being removed), the current file starts over instead: the bound holds.
+    /// Copies `<path>`'s bytes over `<path>.1` and empties `<path>`, by descriptor. Should
+    /// the copy fail, `<path>` starts over all the same: the bound holds.
     fn rotate(&mut self) -> io::Result<()> {
-        let renamed = std::fs::rename(&self.path, &self.previous).and_then(|()| create(&self.path));
-        match renamed {
-            Ok(file) => self.file = file,
-            Err(_) => {
-                self.file.set_len(0)?;
-                self.file.seek(SeekFrom::Start(0))?;
-            }
+        if let Err(e) = self.copy_to_previous() {
+            log::debug!("console log {}: rotation: {e}", self.path.display());
         }
+        self.file.set_len(0)?;
+        self.file.seek(SeekFrom::Start(0))?;
         self.written = 0;
+        Ok(())
+    }
+
+    fn copy_to_previous(&mut self) -> io::Result<()> {
+        self.previous.set_len(0)?;
+        self.previous.seek(SeekFrom::Start(0))?;
+        self.file.seek(SeekFrom::Start(0))?;
+        let mut buf = [0u8; 16 << 10];
+        let mut left = self.written;
+        while left > 0 {
+            let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+            let n = self.file.read(&mut buf[..want])?;
+            if n == 0 {
+                break;
+            }
+            self.previous.write_all(&buf[..n])?;
+            left -= n as u64;
+        }
         Ok(())
     }
 }
@@ -196,12 +234,52 @@ mod tests {
         let half = MIN_CONSOLE_LOG_BYTES as usize / 2;
         log.write_all(&vec![b'a'; half - 6]).unwrap();
         log.write_all(b"\nfirst\nsecond \x1b[2J\r\n").unwrap();
-        assert!(previous_path(&path).exists(), "rotated");
+        assert!(size(&previous_path(&path)) > 0, "rotated");
         assert_eq!(tail(&path, 4096, 2), "first\nsecond \\u{1b}[2J");
         // Bounded in bytes: a line longer than the bound is cut to its end.
         let t = tail(&path, 10, 5);
         assert!(t.len() <= 20, "{t:?}");
         assert_eq!(tail(&dir.path().join("none"), 4096, 5), "");
+    }
+
+    #[test]
+    fn rotation_works_on_descriptors_only() {
+        // Opened, then their names removed: a rotation that renamed or reopened by path would
+        // fail or lose the bound; this one keeps both files and the newest bytes.
+        let dir = tempfile::tempdir().unwrap();
+        let open = |name: &str| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(dir.path().join(name))
+                .unwrap()
+        };
+        let (current, previous) = (open("c"), open("p"));
+        let (mut c, mut p) = (current.try_clone().unwrap(), previous.try_clone().unwrap());
+        std::fs::remove_file(dir.path().join("c")).unwrap();
+        std::fs::remove_file(dir.path().join("p")).unwrap();
+        let bound = MIN_CONSOLE_LOG_BYTES;
+        let mut log =
+            ConsoleLog::from_files(Path::new("console"), current, previous, bound).unwrap();
+        let mut all = String::new();
+        for i in 0..2000u32 {
+            let line = format!("line {i}\n");
+            log.write_all(line.as_bytes()).unwrap();
+            all.push_str(&line);
+        }
+        let read = |f: &mut File| {
+            let mut s = String::new();
+            f.seek(SeekFrom::Start(0)).unwrap();
+            f.read_to_string(&mut s).unwrap();
+            s
+        };
+        let (newer, older) = (read(&mut c), read(&mut p));
+        assert!((newer.len() + older.len()) as u64 <= bound);
+        assert!(older.len() as u64 == bound / 2, "rotated: {}", older.len());
+        // The pair, older then newer, is the end of what was written, in order.
+        assert!(all.ends_with(&format!("{older}{newer}")));
     }
 
     #[test]
@@ -212,7 +290,7 @@ mod tests {
         std::fs::write(previous_path(&path), "older").unwrap();
         let log = ConsoleLog::create(&path, 1 << 20).unwrap();
         assert_eq!(size(&path), 0);
-        assert!(!previous_path(&path).exists());
+        assert_eq!(size(&previous_path(&path)), 0);
         drop(log);
         let target = dir.path().join("target");
         std::fs::write(&target, "keep").unwrap();

@@ -64,6 +64,9 @@ pub enum VmmError {
     /// Page sharing failed ([`crate::VmHandle::share_pages`]).
     #[error("page sharing: {0}")]
     PageSharing(#[from] crate::page_sharing::PageSharingError),
+    /// A VM thread's seccomp filter could not be built or installed ([`crate::jail`]).
+    #[error("confining the VM's threads: {0}")]
+    Jail(#[from] crate::jail::JailError),
     /// An earlier wait already took the VM's result.
     #[error("the VM's result was already taken by an earlier wait")]
     AlreadyWaited,

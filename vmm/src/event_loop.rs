@@ -10,6 +10,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::handle::Shared;
+use crate::jail::ThreadFilter;
 use crate::{VmExit, VmmError};
 
 /// A subscriber as the event manager holds it.
@@ -52,8 +53,29 @@ impl MutEventSubscriber for Control {
     }
 }
 
-/// Runs the loop until the VM stops.
-pub(crate) fn run(mut manager: DeviceEventManager, shared: Arc<Shared>) {
+/// Runs the loop until the VM stops. With a `filter`, installs it first (after the virtio-fs
+/// server's capability drop when the loop serves a shared directory); a filter that cannot be
+/// installed ends the VM.
+pub(crate) fn run(
+    mut manager: DeviceEventManager,
+    shared: Arc<Shared>,
+    filter: Option<ThreadFilter>,
+    serves_fs: bool,
+) {
+    if let Some(f) = filter {
+        if serves_fs {
+            if let Err(e) = vmm_devices::virtio::fs::policy::confine_serving_thread() {
+                shared.finish(Err(VmmError::Device(format!(
+                    "virtio-fs: dropping the serving thread's capabilities: {e}"
+                ))));
+                return;
+            }
+        }
+        if let Err(e) = f.install() {
+            shared.finish(Err(VmmError::Jail(e)));
+            return;
+        }
+    }
     while !shared.stopping() {
         // Between two batches of device work: a pause parks the thread here (the pauser wakes
         // the epoll wait through the exit eventfd).

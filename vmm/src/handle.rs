@@ -126,7 +126,8 @@ impl Running {
                 log::error!("the device event-loop thread panicked");
             }
         }
-        // vCPU fds are closed by their threads; now the VM and its memory.
+        // vCPU fds are closed by their threads; now the VM and its memory (the devices go
+        // right after, in VmHandle::teardown).
         drop(self.vm.take());
         drop(self.mem.take());
     }
@@ -140,6 +141,12 @@ pub(crate) struct HandleDevices {
     pub(crate) balloon: Option<Arc<Mutex<Balloon>>>,
     /// Page sharing, if on.
     pub(crate) page_sharing: Option<Mutex<VmSharing>>,
+    /// With the jail on: the filter a sharing pass's own thread installs.
+    pub(crate) sharing_filter: Option<crate::jail::ThreadFilter>,
+    /// The port and MMIO buses, which hold every device: their last references, dropped by
+    /// teardown after the VM's threads are joined, so that no device is dropped on a confined
+    /// thread (a vsock device removes its socket file when dropped).
+    pub(crate) buses: Mutex<Vec<Arc<vmm_devices::bus::Bus>>>,
 }
 
 /// A running VM. Dropping it stops the VM and releases everything.
@@ -319,15 +326,37 @@ impl VmHandle {
     /// template page from the template file (the first pass after boot of a host also captures
     /// the kernel text template). Call it once the guest is up (the agent answered), before any
     /// workload; it may be called again. Fails for a VM without page sharing.
+    ///
+    /// With the jail on, the pass runs on a thread of its own under the page sharing filter
+    /// ([`crate::jail::Role::PageSharing`]): it reads guest memory, and the caller's thread is
+    /// the embedder's, which stays unfiltered.
     pub fn share_pages(&self) -> Result<SharingReport, VmmError> {
+        let Some(filter) = self.devices.sharing_filter.as_ref() else {
+            return self.sharing_pass();
+        };
+        std::thread::scope(|scope| {
+            let pass = std::thread::Builder::new()
+                .name("vmm-sharing".into())
+                .spawn_scoped(scope, || {
+                    filter.install()?;
+                    self.sharing_pass()
+                })
+                .map_err(VmmError::io("spawn the page sharing thread"))?;
+            pass.join().unwrap_or_else(|_| {
+                Err(VmmError::Device("the page sharing thread panicked".into()))
+            })
+        })
+    }
+
+    fn sharing_pass(&self) -> Result<SharingReport, VmmError> {
         let started = Instant::now();
         let Some(sharing) = self.devices.page_sharing.as_ref() else {
             return Err(PageSharingError::Off.into());
         };
         let mut sharing = lock(sharing);
-        let capture = sharing.prepare()?;
+        let (capture, missing) = sharing.prepare()?;
         let result = self.with_paused(SHARING_PAUSE_TIMEOUT, |mem| {
-            sharing.paused_pass(mem, capture.as_deref())
+            sharing.paused_pass(mem, capture.as_deref(), missing)
         });
         // The templates are unmapped from the VMM between passes (a later pass maps them
         // again): mapped, their pages would count in this process's memory for nothing.
@@ -336,6 +365,38 @@ impl VmHandle {
         report.took = started.elapsed();
         log::info!("page sharing: {report}");
         Ok(report)
+    }
+
+    /// Whether this VM's kernel text template is still to be captured: neither its domain's
+    /// template directory nor the captures hold it (docs/page-sharing.md). A pod's VM never
+    /// captures it; the caller boots a VM that has seen no pod input and calls
+    /// [`VmHandle::capture_kernel_text`] on it.
+    pub fn kernel_text_template_missing(&self) -> Result<bool, VmmError> {
+        let Some(sharing) = self.devices.page_sharing.as_ref() else {
+            return Err(PageSharingError::Off.into());
+        };
+        Ok(lock(sharing).kernel_text_missing()?)
+    }
+
+    /// Captures this VM's kernel text as the template every domain copies, if none was
+    /// captured yet, and nothing else (no sharing pass): for a VM started with
+    /// `capture_kernel_text` that has seen no pod input, once its guest is up. Returns whether
+    /// it captured.
+    pub fn capture_kernel_text(&self) -> Result<bool, VmmError> {
+        let Some(sharing) = self.devices.page_sharing.as_ref() else {
+            return Err(PageSharingError::Off.into());
+        };
+        let mut sharing = lock(sharing);
+        let Some(name) = sharing.capture_name()? else {
+            return Ok(false);
+        };
+        let captured = self.with_paused(SHARING_PAUSE_TIMEOUT, |mem| {
+            sharing.capture_kernel_text(mem, &name)
+        })??;
+        if captured {
+            log::info!("page sharing: captured the kernel text template {name}");
+        }
+        Ok(captured)
     }
 
     /// How long `Vm::start` took, from its call to the vCPU threads running.
@@ -375,6 +436,7 @@ impl VmHandle {
         if let Some(r) = lock(&self.running).take() {
             r.teardown(&self.shared);
         }
+        lock(&self.devices.buses).clear();
     }
 
     fn reap(&self) -> Result<VmExit, VmmError> {

@@ -14,6 +14,7 @@ pub mod devices;
 mod error;
 pub mod event_loop;
 mod handle;
+pub mod jail;
 pub mod kvm_vm;
 pub mod layout;
 pub mod memory;

@@ -11,27 +11,34 @@
 //!   one copy for every VM, and a guest write copies it again (copy-on-write).
 //!
 //! Only public content becomes a template, never what another tenant's guest holds: the
-//! initrd's regular files (each laid out from a page boundary, as a page cache holds it) and the
-//! kernel text captured from the first VM after the host booted, before any workload ran in it.
-//! Learning that a page was shared tells a guest nothing about another pod.
+//! initrd's regular files (each laid out from a page boundary, as a page cache holds it),
+//! computed from the file, and the kernel text captured from a VM that has seen no pod input
+//! (started with [`PageSharingConfig::capture_kernel_text`]; a pod's VM never captures).
+//! Learning that a page was shared tells a guest nothing about another pod. Still, a shared
+//! physical page lets guests time each other's use of it (Flush+Reload), so templates are kept
+//! per trust domain ([`PageSharingConfig::domain`]): VMs of different domains map different
+//! files, hence share no page.
 //!
 //! Correctness never depends on a template: a page is replaced only when it is equal to the
 //! template page, while every vCPU and the device thread are paused, so a wrong or hostile
 //! template means no sharing, never different guest memory.
 //!
-//! Template files live in a directory only root can enter (0700, owned by the VMM's user),
-//! created 0444 through a temporary file and a link, never changed in place: a private mapping
-//! of a file still sees later writes to the pages it has not copied.
+//! Template files live in directories only root can enter (0700, owned by the VMM's user),
+//! reached from a checked directory descriptor without following links, created 0444 through a
+//! temporary file and a link, never changed in place (a private mapping of a file still sees
+//! later writes to the pages it has not copied), and checked each time they are opened: a
+//! regular file of ours, writable by nobody else, of the size expected ([`TemplateDir::get`]).
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::ops::Range;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use rustix::fs::{Mode, OFlags};
 use sha2::{Digest, Sha256};
 use vm_memory::{GuestAddress, GuestMemory as _, GuestMemoryRegion};
 
@@ -53,19 +60,54 @@ const MAX_CPIO_NAME: usize = 4096;
 /// An initrd with more entries than this is not made a template.
 const MAX_CPIO_ENTRIES: usize = 1 << 20;
 
+/// The trust domain of `page_sharing = "node"`: every VM of the node maps the same templates.
+pub const NODE_DOMAIN: &str = "node";
+/// The subdirectory of the template root holding kernel text captured from VMs that saw no pod
+/// input, and the remembered file sums. No VM maps a file of it: each domain maps its own copy.
+pub const CAPTURED_DIR: &str = "captured";
+
 /// Page sharing of a VM (on when [`crate::VmConfig::page_sharing`] is set).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageSharingConfig {
-    /// The template directory (created 0700 if missing; refused if others may enter it).
+    /// The root of the template directories (created 0700 if missing; refused unless owned by
+    /// this process's user with no access for anybody else).
     pub template_dir: PathBuf,
+    /// The VM's trust domain: the subdirectory of `template_dir` whose template files it maps.
+    /// VMs of different domains never map the same file, so they share no template page.
+    /// [`NODE_DOMAIN`], or [`namespace_domain`] of a Kubernetes namespace.
+    pub domain: String,
+    /// Whether this VM has seen no pod input (a throwaway boot, a test guest), so that a pass may
+    /// capture its kernel text as the template every domain copies. A pod's VM never captures:
+    /// a missing kernel text template means no kernel text sharing for it.
+    pub capture_kernel_text: bool,
 }
 
 impl Default for PageSharingConfig {
     fn default() -> Self {
         Self {
             template_dir: PathBuf::from(DEFAULT_TEMPLATE_DIR),
+            domain: NODE_DOMAIN.to_string(),
+            capture_kernel_text: false,
         }
     }
+}
+
+/// The domain (template subdirectory) of the pods of Kubernetes namespace `namespace`: a hash
+/// of the name, since the name is pod input (it never becomes a path itself).
+pub fn namespace_domain(namespace: &str) -> String {
+    let key = digest(&[b"microvm-page-sharing-namespace-v1", namespace.as_bytes()]);
+    format!("ns-{}", &key[..32])
+}
+
+/// Whether `domain` can name a template subdirectory: one path component of ASCII letters,
+/// digits, `-` and `_`, not the captures' directory.
+pub fn valid_domain(domain: &str) -> bool {
+    !domain.is_empty()
+        && domain.len() <= 64
+        && domain
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        && domain != CAPTURED_DIR
 }
 
 /// Errors of reading an initrd as a cpio archive.
@@ -88,6 +130,14 @@ pub enum CpioError {
 pub enum PageSharingError {
     #[error("template directory {}: {reason}", dir.display())]
     TemplateDir { dir: PathBuf, reason: String },
+    #[error("template {name} in {}: {reason}; refused", dir.display())]
+    Template {
+        dir: PathBuf,
+        name: String,
+        reason: String,
+    },
+    #[error("{domain:?} cannot name a page sharing domain")]
+    Domain { domain: String },
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -98,6 +148,8 @@ pub enum PageSharingError {
     Vfio,
     #[error("page sharing is off for this VM")]
     Off,
+    #[error("this VM may not capture a kernel text template: it is a pod's")]
+    NoCapture,
     #[error(
         "restoring guest memory at {addr:#x} after a failed mapping failed too: {source}; \
          the VM cannot continue"
@@ -225,6 +277,14 @@ pub fn write_initrd_template(
     Ok(())
 }
 
+/// The size of the initrd template of `files` (each file's bytes rounded up to whole pages).
+pub fn initrd_template_len(files: &[CpioFile]) -> u64 {
+    files
+        .iter()
+        .map(|f| (f.data.len() as u64).next_multiple_of(PAGE as u64))
+        .sum()
+}
+
 /// A hex SHA-256 of the parts, each prefixed by its length (so parts cannot run into each other).
 fn digest(parts: &[&[u8]]) -> String {
     let mut h = Sha256::new();
@@ -237,11 +297,12 @@ fn digest(parts: &[&[u8]]) -> String {
 
 /// The words of the command line that decide how the kernel patches itself: all but the ones of
 /// our agent's `microvm.` namespace (per-pod values such as the hostname, which the kernel hands
-/// on untouched).
+/// on untouched) and the VMM's `virtio_mmio.device=` words (where each virtio device sits: the
+/// VM the template is captured from has the devices of no pod, only vsock and the balloon).
 fn kernel_cmdline_words(cmdline: &str) -> String {
     cmdline
         .split_whitespace()
-        .filter(|w| !w.starts_with("microvm."))
+        .filter(|w| !w.starts_with("microvm.") && !w.starts_with("virtio_mmio.device="))
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -283,6 +344,9 @@ pub fn file_sha256(file: &mut File) -> Result<String, PageSharingError> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// The size of a remembered file sum (64 hex digits).
+const SUM_LEN: u64 = 64;
+
 /// [`file_sha256`], remembered in `dir` by the file's identity (device, inode, size, change
 /// and modification times), so that every VM does not read the whole kernel again. A file
 /// replaced by renaming has a new inode, one rewritten in place new times. (Only template
@@ -299,7 +363,7 @@ pub fn cached_file_sha256(dir: &TemplateDir, file: &mut File) -> Result<String, 
         m.ctime(),
         m.ctime_nsec()
     );
-    if let Some(mut f) = dir.get(&name)? {
+    if let Some(mut f) = dir.get(&name, Some(SUM_LEN))? {
         let mut sum = String::new();
         if f.read_to_string(&mut sum).is_ok()
             && sum.len() == 64
@@ -313,21 +377,72 @@ pub fn cached_file_sha256(dir: &TemplateDir, file: &mut File) -> Result<String, 
     Ok(sum)
 }
 
-/// The template directory.
+/// A template directory, held open: every file in it is reached from this descriptor, never
+/// by a path again, and never through a symbolic link.
 #[derive(Debug)]
 pub struct TemplateDir {
     path: PathBuf,
+    fd: OwnedFd,
+}
+
+/// This process's effective user (root for the shim).
+fn euid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+/// Why a directory's status makes it unfit to hold templates (`None`: fit): a directory owned
+/// by this process's user that nobody else may enter, list or write.
+fn unfit_dir(st: &rustix::fs::Stat) -> Option<String> {
+    let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
+    if kind != rustix::fs::FileType::Directory {
+        return Some(format!("not a directory ({kind:?})"));
+    }
+    let me = euid();
+    if st.st_uid != me {
+        return Some(format!("owned by uid {}, not {me}", st.st_uid));
+    }
+    let mode = st.st_mode & 0o7777;
+    if mode & 0o077 != 0 {
+        return Some(format!(
+            "mode {mode:o}: others may enter or write it (want 0700)"
+        ));
+    }
+    None
+}
+
+/// Why a template file's status makes it unfit to be mapped (`None`: fit): a regular file owned
+/// by this process's user, writable by nobody else, of the size expected (when known).
+fn unfit_file(st: &rustix::fs::Stat, expected: Option<u64>) -> Option<String> {
+    let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
+    if kind != rustix::fs::FileType::RegularFile {
+        return Some(format!("not a regular file ({kind:?})"));
+    }
+    let me = euid();
+    if st.st_uid != me {
+        return Some(format!("owned by uid {}, not {me}", st.st_uid));
+    }
+    let mode = st.st_mode & 0o7777;
+    if mode & 0o022 != 0 {
+        return Some(format!(
+            "mode {mode:o}: group or others may write it (templates are 0444)"
+        ));
+    }
+    let size = u64::try_from(st.st_size).unwrap_or(u64::MAX);
+    match expected {
+        Some(want) if size != want => Some(format!("{size} bytes, expected {want}")),
+        _ => None,
+    }
 }
 
 impl TemplateDir {
-    /// Opens `path`, creating it (0700) if missing. Refused unless it is a directory owned by
-    /// this process's user that nobody else may enter or write.
+    /// Opens `path`, creating it (0700) if missing. Refused unless it is a directory (not a
+    /// symbolic link) owned by this process's user that nobody else may enter or write.
     pub fn open(path: &Path) -> Result<Self, PageSharingError> {
         let bad = |reason: String| PageSharingError::TemplateDir {
             dir: path.to_path_buf(),
             reason,
         };
-        if !path.exists() {
+        if std::fs::symlink_metadata(path).is_err() {
             if let Some(parent) = path.parent() {
                 std::fs::create_dir_all(parent).map_err(|e| bad(e.to_string()))?;
             }
@@ -337,71 +452,139 @@ impl TemplateDir {
                 Err(e) => return Err(bad(e.to_string())),
             }
         }
-        let meta = std::fs::symlink_metadata(path).map_err(|e| bad(e.to_string()))?;
-        if !meta.is_dir() {
-            return Err(bad("not a directory".into()));
-        }
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
-        if meta.uid() != me {
-            return Err(bad(format!("owned by uid {}, not {me}", meta.uid())));
-        }
-        if meta.permissions().mode() & 0o077 != 0 {
-            return Err(bad(format!(
-                "mode {:o}: others may enter it (want 0700)",
-                meta.permissions().mode() & 0o777
-            )));
-        }
-        Ok(Self {
-            path: path.to_path_buf(),
-        })
+        // openat, not open: rustix's `open` is the `open` system call on x86_64, which the
+        // page sharing thread's seccomp filter does not allow.
+        let fd = rustix::fs::openat(rustix::fs::CWD, path, Self::dir_flags(), Mode::empty())
+            .map_err(|e| bad(Self::open_reason(e)))?;
+        Self::checked(path.to_path_buf(), fd)
     }
 
-    /// The template `name`, if it exists.
-    pub fn get(&self, name: &str) -> Result<Option<File>, PageSharingError> {
-        match File::open(self.path.join(name)) {
-            Ok(f) => Ok(Some(f)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io(format!("open template {name}"))(e)),
+    /// The subdirectory `name` (one component), created 0700 if missing, with the checks of
+    /// [`TemplateDir::open`]. Reached from this directory's descriptor without following links.
+    pub fn subdir(&self, name: &str) -> Result<Self, PageSharingError> {
+        let path = self.path.join(name);
+        let bad = |reason: String| PageSharingError::TemplateDir {
+            dir: path.clone(),
+            reason,
+        };
+        if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+            return Err(bad("not one path component".into()));
         }
+        match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(0o700)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(bad(std::io::Error::from(e).to_string())),
+        }
+        let fd = rustix::fs::openat(&self.fd, name, Self::dir_flags(), Mode::empty())
+            .map_err(|e| bad(Self::open_reason(e)))?;
+        Self::checked(path.clone(), fd)
+    }
+
+    fn dir_flags() -> OFlags {
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+    }
+
+    fn open_reason(e: rustix::io::Errno) -> String {
+        match e {
+            rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => {
+                "a symbolic link or not a directory (links are never followed)".into()
+            }
+            e => std::io::Error::from(e).to_string(),
+        }
+    }
+
+    fn checked(path: PathBuf, fd: OwnedFd) -> Result<Self, PageSharingError> {
+        let st = rustix::fs::fstat(&fd).map_err(|e| PageSharingError::TemplateDir {
+            dir: path.clone(),
+            reason: std::io::Error::from(e).to_string(),
+        })?;
+        if let Some(reason) = unfit_dir(&st) {
+            return Err(PageSharingError::TemplateDir { dir: path, reason });
+        }
+        Ok(Self { path, fd })
+    }
+
+    /// The directory's path (for messages).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The template `name`, if it exists, checked before it is used: opened without following
+    /// a symbolic link, a regular file owned by this process's user that nobody else may write,
+    /// of `expected` bytes (when given). A file that fails a check is an error naming why,
+    /// never a template.
+    pub fn get(&self, name: &str, expected: Option<u64>) -> Result<Option<File>, PageSharingError> {
+        let refuse = |reason: String| PageSharingError::Template {
+            dir: self.path.clone(),
+            name: name.to_string(),
+            reason,
+        };
+        // Non-blocking: a FIFO planted under the name must not hang the open (it is refused
+        // below as not a regular file).
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+        let fd = match rustix::fs::openat(&self.fd, name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(rustix::io::Errno::LOOP) => {
+                return Err(refuse(
+                    "a symbolic link (template files are never reached through one)".into(),
+                ))
+            }
+            Err(e) => return Err(refuse(std::io::Error::from(e).to_string())),
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| refuse(std::io::Error::from(e).to_string()))?;
+        if let Some(reason) = unfit_file(&st, expected) {
+            return Err(refuse(reason));
+        }
+        Ok(Some(File::from(fd)))
     }
 
     /// Creates the template `name` holding `bytes` (0444, through a temporary file linked into
-    /// place), unless it exists already; returns the file now under that name.
+    /// place), unless it exists already; returns the file now under that name, checked.
     pub fn put(&self, name: &str, bytes: &[u8]) -> Result<File, PageSharingError> {
-        self.put_with(name, |f| f.write_all(bytes))
+        self.put_with(name, Some(bytes.len() as u64), |f| f.write_all(bytes))
     }
 
     /// [`TemplateDir::put`] with the content written by `write` (streamed: no copy of a large
-    /// template on the heap, where the allocator would keep it after it is freed).
+    /// template on the heap, where the allocator would keep it after it is freed), of
+    /// `expected` bytes when known.
     pub fn put_with(
         &self,
         name: &str,
+        expected: Option<u64>,
         write: impl FnOnce(&mut File) -> std::io::Result<()>,
     ) -> Result<File, PageSharingError> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
-        let temp = self
-            .path
-            .join(format!(".{name}.{}.{nanos}.tmp", std::process::id()));
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o444)
-            .open(&temp)
-            .map_err(io(format!("create {}", temp.display())))?;
+        let temp = format!(".{name}.{}.{nanos}.tmp", std::process::id());
+        let what = format!("create {}", self.path.join(&temp).display());
+        let fd = rustix::fs::openat(
+            &self.fd,
+            temp.as_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o444),
+        )
+        .map_err(|e| io(what)(e.into()))?;
+        let mut f = File::from(fd);
         let written = write(&mut f).and_then(|()| f.sync_data());
         drop(f);
-        let linked = written.and_then(|()| match std::fs::hard_link(&temp, self.path.join(name)) {
-            // Another VM put the same template first: keep that one.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-            other => other,
+        let linked = written.and_then(|()| {
+            match rustix::fs::linkat(
+                &self.fd,
+                temp.as_str(),
+                &self.fd,
+                name,
+                rustix::fs::AtFlags::empty(),
+            ) {
+                // Another VM put the same template first: keep that one.
+                Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
+                Err(e) => Err(e.into()),
+            }
         });
-        let _ = std::fs::remove_file(&temp);
+        let _ = rustix::fs::unlinkat(&self.fd, temp.as_str(), rustix::fs::AtFlags::empty());
         linked.map_err(io(format!("write template {name}")))?;
-        self.get(name)?
+        self.get(name, expected)?
             .ok_or_else(|| io(format!("template {name}"))(std::io::ErrorKind::NotFound.into()))
     }
 }
@@ -573,6 +756,9 @@ pub struct SharingReport {
     pub skipped: u64,
     /// Whether this pass captured the kernel text template.
     pub captured_kernel_text: bool,
+    /// Whether the kernel text template was missing (none captured yet, and this VM may not
+    /// capture one): the pass shared no kernel text.
+    pub kernel_text_missing: bool,
     /// How long the VM was paused.
     pub paused_for: Duration,
     /// How long the whole pass took (with the template preparation).
@@ -608,6 +794,8 @@ impl std::fmt::Display for SharingReport {
             self.took,
             if self.captured_kernel_text {
                 "; captured the kernel text template"
+            } else if self.kernel_text_missing {
+                "; no kernel text template (none captured yet)"
             } else {
                 ""
             }
@@ -948,60 +1136,163 @@ pub(crate) struct VmSharing {
     pub(crate) index: Option<TemplateIndex>,
 }
 
+/// The directories a VM's pass works in.
+pub(crate) struct Dirs {
+    /// The VM's domain: the templates it maps.
+    domain: TemplateDir,
+    /// The captured kernel text templates and the remembered sums (never mapped into a guest).
+    captured: TemplateDir,
+}
+
+/// Where the kernel text template of a VM stands.
+pub(crate) enum KernelText {
+    /// The kernel has no text range to share.
+    None,
+    /// The domain's template (found there, or copied there from the captured one).
+    Found { name: String, file: File },
+    /// No template captured yet.
+    Missing { name: String },
+}
+
 impl VmSharing {
-    /// Everything the pass prepares while the VM runs: the template directory, the initrd
-    /// template (made if missing) and the kernel text template if it exists. Returns the kernel
-    /// template's name when it still has to be captured.
-    pub(crate) fn prepare(&mut self) -> Result<Option<String>, PageSharingError> {
-        if self.index.is_some() {
-            return Ok(None);
+    /// Opens (and checks) the template root, the captures' directory and the VM's domain.
+    pub(crate) fn dirs(&self) -> Result<Dirs, PageSharingError> {
+        if !valid_domain(&self.config.domain) {
+            return Err(PageSharingError::Domain {
+                domain: self.config.domain.clone(),
+            });
         }
-        let dir = TemplateDir::open(&self.config.template_dir)?;
-        let mut index = TemplateIndex::default();
-        if let Some(initrd) = self.initrd.as_mut() {
-            let sum = cached_file_sha256(&dir, initrd)?;
-            let name = initrd_template_name(&sum);
-            let file =
-                match dir.get(&name)? {
-                    Some(f) => Some(f),
-                    None => {
-                        let clone = initrd.try_clone().map_err(io("dup the initrd"))?;
-                        let map = TemplateView::map("initrd", clone, false)?;
-                        match parse_newc(map.bytes()) {
-                            Ok(files) if !files.is_empty() => Some(dir.put_with(&name, |f| {
-                                write_initrd_template(map.bytes(), &files, f)
-                            })?),
-                            Ok(_) => None,
-                            Err(e) => {
-                                log::info!("page sharing: the initrd gives no template: {e}");
-                                None
-                            }
-                        }
-                    }
-                };
-            if let Some(f) = file {
-                index.add(TemplateView::new(&name, f)?);
+        let root = TemplateDir::open(&self.config.template_dir)?;
+        Ok(Dirs {
+            captured: root.subdir(CAPTURED_DIR)?,
+            domain: root.subdir(&self.config.domain)?,
+        })
+    }
+
+    /// The name of this VM's kernel text template and its size, if the kernel has a text range.
+    fn kernel_text_key(&mut self, dirs: &Dirs) -> Result<Option<(String, u64)>, PageSharingError> {
+        let Some(text) = self.text.clone() else {
+            return Ok(None);
+        };
+        let sum = cached_file_sha256(&dirs.captured, &mut self.kernel)?;
+        let name = kernel_template_name(&sum, &self.cmdline, self.vcpus, &self.cpuid);
+        Ok(Some((name, text.end - text.start)))
+    }
+
+    /// The domain's kernel text template: found there, or copied there from the captured one
+    /// (a copy of its own, so that domains map different files), or missing.
+    pub(crate) fn kernel_text(&mut self, dirs: &Dirs) -> Result<KernelText, PageSharingError> {
+        let Some((name, len)) = self.kernel_text_key(dirs)? else {
+            return Ok(KernelText::None);
+        };
+        if let Some(file) = dirs.domain.get(&name, Some(len))? {
+            return Ok(KernelText::Found { name, file });
+        }
+        let Some(mut captured) = dirs.captured.get(&name, Some(len))? else {
+            return Ok(KernelText::Missing { name });
+        };
+        let file = dirs.domain.put_with(&name, Some(len), |f| {
+            std::io::copy(&mut captured, f).map(drop)
+        })?;
+        Ok(KernelText::Found { name, file })
+    }
+
+    /// The initrd template of the domain (made from the initrd file if missing), if the initrd
+    /// gives one.
+    fn initrd_template(&mut self, dirs: &Dirs) -> Result<Option<TemplateView>, PageSharingError> {
+        let Some(initrd) = self.initrd.as_mut() else {
+            return Ok(None);
+        };
+        let sum = cached_file_sha256(&dirs.captured, initrd)?;
+        let name = initrd_template_name(&sum);
+        let clone = initrd.try_clone().map_err(io("dup the initrd"))?;
+        let map = TemplateView::map("initrd", clone, false)?;
+        let files = match parse_newc(map.bytes()) {
+            Ok(files) if !files.is_empty() => files,
+            Ok(_) => return Ok(None),
+            Err(e) => {
+                log::info!("page sharing: the initrd gives no template: {e}");
+                return Ok(None);
             }
+        };
+        // The size the template must have: a file of another size is refused, never mapped.
+        let len = initrd_template_len(&files);
+        let file = match dirs.domain.get(&name, Some(len))? {
+            Some(f) => f,
+            None => dirs.domain.put_with(&name, Some(len), |f| {
+                write_initrd_template(map.bytes(), &files, f)
+            })?,
+        };
+        Ok(Some(TemplateView::new(&name, file)?))
+    }
+
+    /// Everything the pass prepares while the VM runs: the directories, the initrd template
+    /// (made if missing) and the kernel text template if it exists. Returns the kernel
+    /// template's name when this VM is to capture it, and whether it is missing.
+    pub(crate) fn prepare(&mut self) -> Result<(Option<String>, bool), PageSharingError> {
+        if self.index.is_some() {
+            return Ok((None, false));
+        }
+        let dirs = self.dirs()?;
+        let mut index = TemplateIndex::default();
+        if let Some(view) = self.initrd_template(&dirs)? {
+            index.add(view);
         }
         let mut capture = None;
-        if self.text.is_some() {
-            let sum = cached_file_sha256(&dir, &mut self.kernel)?;
-            let name = kernel_template_name(&sum, &self.cmdline, self.vcpus, &self.cpuid);
-            match dir.get(&name)? {
-                Some(f) => index.add(TemplateView::new(&name, f)?),
-                None => capture = Some(name),
+        let mut missing = false;
+        match self.kernel_text(&dirs)? {
+            KernelText::None => {}
+            KernelText::Found { name, file } => index.add(TemplateView::new(&name, file)?),
+            KernelText::Missing { name } => {
+                if self.config.capture_kernel_text {
+                    capture = Some(name);
+                } else {
+                    missing = true;
+                }
             }
         }
         self.index = Some(index);
-        Ok(capture)
+        Ok((capture, missing))
     }
 
-    /// With the VM paused: captures the kernel text into template `name` (when it had none).
+    /// Whether the kernel text template of this VM is still to be captured (from a VM that has
+    /// seen no pod input): neither the domain nor the captures hold it.
+    pub(crate) fn kernel_text_missing(&mut self) -> Result<bool, PageSharingError> {
+        let dirs = self.dirs()?;
+        let Some((name, len)) = self.kernel_text_key(&dirs)? else {
+            return Ok(false);
+        };
+        Ok(dirs.domain.get(&name, Some(len))?.is_none()
+            && dirs.captured.get(&name, Some(len))?.is_none())
+    }
+
+    /// The name of the kernel text template to capture from this VM, if it is one that may
+    /// capture and none was captured yet.
+    pub(crate) fn capture_name(&mut self) -> Result<Option<String>, PageSharingError> {
+        if !self.config.capture_kernel_text {
+            return Err(PageSharingError::NoCapture);
+        }
+        let dirs = self.dirs()?;
+        let Some((name, len)) = self.kernel_text_key(&dirs)? else {
+            return Ok(None);
+        };
+        Ok(dirs
+            .captured
+            .get(&name, Some(len))?
+            .is_none()
+            .then_some(name))
+    }
+
+    /// With the VM paused: captures the kernel text into the captures' directory as template
+    /// `name` (when it had none) and, if the VM has an index, adds the domain's copy to it.
     pub(crate) fn capture_kernel_text(
         &mut self,
         mem: &GuestMemory,
         name: &str,
     ) -> Result<bool, PageSharingError> {
+        if !self.config.capture_kernel_text {
+            return Err(PageSharingError::NoCapture);
+        }
         let Some(range) = self.text.clone() else {
             return Ok(false);
         };
@@ -1011,14 +1302,19 @@ impl VmSharing {
         if !mem.check_range(GuestAddress(range.start), len) {
             return Ok(false);
         }
-        let dir = TemplateDir::open(&self.config.template_dir)?;
+        let dirs = self.dirs()?;
         // Straight from guest memory into the file.
-        let f = dir.put_with(name, |f| {
+        dirs.captured.put_with(name, Some(len as u64), |f| {
             vm_memory::Bytes::write_all_volatile_to(mem, GuestAddress(range.start), f, len)
                 .map_err(|e| std::io::Error::other(e.to_string()))
         })?;
-        if let Some(index) = self.index.as_mut() {
-            index.add(TemplateView::new(name, f)?);
+        if self.index.is_some() {
+            if let KernelText::Found { name, file } = self.kernel_text(&dirs)? {
+                let view = TemplateView::new(&name, file)?;
+                if let Some(index) = self.index.as_mut() {
+                    index.add(view);
+                }
+            }
         }
         Ok(true)
     }
@@ -1047,9 +1343,13 @@ impl VmSharing {
         &mut self,
         mem: &GuestMemory,
         capture: Option<&str>,
+        missing: bool,
     ) -> Result<SharingReport, PageSharingError> {
         let paused_at = Instant::now();
-        let mut report = SharingReport::default();
+        let mut report = SharingReport {
+            kernel_text_missing: missing,
+            ..SharingReport::default()
+        };
         if let Some(name) = capture {
             report.captured_kernel_text = self.capture_kernel_text(mem, name)?;
         }
@@ -1065,6 +1365,7 @@ impl VmSharing {
 mod tests {
     use super::*;
     use crate::memory::create_guest_memory;
+    use std::os::unix::fs::PermissionsExt;
     use vm_memory::Bytes;
 
     fn newc(entries: &[(&str, u32, &[u8])]) -> Vec<u8> {
@@ -1186,6 +1487,16 @@ mod tests {
             base,
             k("aa", "console=ttyS0  microvm.hostname=b", 1, &[1, 2])
         );
+        // Where the VMM put its virtio devices does not count either.
+        assert_eq!(
+            base,
+            k(
+                "aa",
+                "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=4K@0xd0001000:6",
+                1,
+                &[1, 2]
+            )
+        );
         assert_ne!(base, k("ab", "console=ttyS0", 1, &[1, 2]));
         assert_ne!(base, k("aa", "console=ttyS0 mitigations=off", 1, &[1, 2]));
         assert_ne!(base, k("aa", "console=ttyS0", 2, &[1, 2]));
@@ -1210,11 +1521,15 @@ mod tests {
         let dir = TemplateDir::open(&d.join("t")).unwrap();
         let mode = std::fs::metadata(d.join("t")).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o700);
-        assert!(dir.get("x").unwrap().is_none());
+        assert!(dir.get("x", None).unwrap().is_none());
         let f = dir.put("x", b"first").unwrap();
         assert_eq!(f.metadata().unwrap().permissions().mode() & 0o777, 0o444);
-        // A second put keeps the first file.
-        dir.put("x", b"second").unwrap();
+        // A second put keeps the first file (and checks it: the size is the first one's).
+        dir.put("x", b"first").unwrap();
+        assert!(matches!(
+            dir.put("x", b"second!"),
+            Err(PageSharingError::Template { .. })
+        ));
         assert_eq!(std::fs::read(d.join("t/x")).unwrap(), b"first");
         // No temporary file left.
         assert_eq!(std::fs::read_dir(d.join("t")).unwrap().count(), 1);
@@ -1331,9 +1646,34 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
-    #[test]
-    fn prepare_streams_the_initrd_template_once() {
-        let d = temp_dir("prepare");
+    /// A VM's sharing state for tests: root `root`, domain `domain`, an initrd holding two
+    /// files, and (when `text_pages` > 0) a kernel whose text is the first `text_pages` pages
+    /// of guest memory (the kernel file is the initrd: only its sum counts).
+    fn test_sharing(
+        root: &Path,
+        domain: &str,
+        capture: bool,
+        initrd_path: &Path,
+        text_pages: u64,
+    ) -> VmSharing {
+        VmSharing {
+            config: PageSharingConfig {
+                template_dir: root.to_path_buf(),
+                domain: domain.to_string(),
+                capture_kernel_text: capture,
+            },
+            kernel: File::open(initrd_path).unwrap(),
+            initrd: Some(File::open(initrd_path).unwrap()),
+            text: (text_pages > 0).then(|| 0..text_pages * PAGE as u64),
+            cmdline: String::new(),
+            vcpus: 1,
+            cpuid: Vec::new(),
+            index: None,
+        }
+    }
+
+    /// A newc initrd of two files, written beside `d`; its bytes.
+    fn test_initrd(d: &Path) -> (PathBuf, Vec<u8>) {
         let (a, b) = sample_files();
         let cpio = newc(&[
             ("init", 0o100755, &a),
@@ -1342,36 +1682,280 @@ mod tests {
         ]);
         let initrd_path = d.with_extension("cpio");
         std::fs::write(&initrd_path, &cpio).unwrap();
-        let mut sharing = VmSharing {
-            config: PageSharingConfig {
-                template_dir: d.clone(),
-            },
-            kernel: File::open(&initrd_path).unwrap(),
-            initrd: Some(File::open(&initrd_path).unwrap()),
-            text: None,
-            cmdline: String::new(),
-            vcpus: 1,
-            cpuid: Vec::new(),
-            index: None,
-        };
+        (initrd_path, cpio)
+    }
+
+    fn inode(f: &File) -> u64 {
+        f.metadata().unwrap().ino()
+    }
+
+    #[test]
+    fn prepare_streams_the_initrd_template_once() {
+        let d = temp_dir("prepare");
+        let (initrd_path, cpio) = test_initrd(&d);
+        let mut sharing = test_sharing(&d, NODE_DOMAIN, false, &initrd_path, 0);
         assert_eq!(
             sharing.prepare().unwrap(),
-            None,
+            (None, false),
             "no kernel text to capture"
         );
         let index = sharing.index.take().unwrap();
         assert_eq!(index.views().len(), 1);
         let name = index.views()[0].name().to_string();
         assert!(name.starts_with("initrd-files-"), "{name}");
+        let in_domain = d.join(NODE_DOMAIN).join(&name);
         assert_eq!(
-            std::fs::read(d.join(&name)).unwrap(),
+            std::fs::read(&in_domain).unwrap(),
             initrd_template(&cpio).unwrap()
         );
+        assert_eq!(
+            std::fs::metadata(&in_domain).unwrap().len(),
+            initrd_template_len(&parse_newc(&cpio).unwrap())
+        );
+        // The sum is remembered beside the captures, not in the domain.
+        assert_eq!(std::fs::read_dir(d.join(CAPTURED_DIR)).unwrap().count(), 1);
         // A second VM finds it (and the remembered sum): same name, nothing new written.
-        let before = std::fs::read_dir(&d).unwrap().count();
+        let before = std::fs::read_dir(d.join(NODE_DOMAIN)).unwrap().count();
         sharing.prepare().unwrap();
         assert_eq!(sharing.index.as_ref().unwrap().views()[0].name(), name);
-        assert_eq!(std::fs::read_dir(&d).unwrap().count(), before);
+        assert_eq!(
+            std::fs::read_dir(d.join(NODE_DOMAIN)).unwrap().count(),
+            before
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_file(&initrd_path).unwrap();
+    }
+
+    /// Every way a template file can be unfit: each is refused with an error naming the
+    /// template and why, before anything is mapped (the VM then runs its pass with no sharing
+    /// at all: the shim logs the error).
+    #[test]
+    fn a_template_failing_a_check_is_refused_with_its_reason() {
+        let d = temp_dir("checks");
+        let (initrd_path, cpio) = test_initrd(&d);
+        // A first VM makes the good template; keep its bytes and name.
+        let mut sharing = test_sharing(&d, "ns-x", false, &initrd_path, 0);
+        sharing.prepare().unwrap();
+        let name = sharing.index.take().unwrap().views()[0].name().to_string();
+        let path = d.join("ns-x").join(&name);
+        let good = std::fs::read(&path).unwrap();
+        let elsewhere = d.join("elsewhere");
+        std::fs::write(&elsewhere, &good).unwrap();
+        std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o444)).unwrap();
+
+        let replace = |how: &dyn Fn(&Path)| {
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_dir(&path);
+            how(&path);
+        };
+        let good_file = |p: &Path| {
+            std::fs::write(p, &good).unwrap();
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o444)).unwrap();
+        };
+        type Case<'a> = (&'a str, Box<dyn Fn(&Path) + 'a>, &'a str);
+        let cases: Vec<Case> = vec![
+            (
+                "another owner",
+                Box::new(|p: &Path| {
+                    good_file(p);
+                    std::os::unix::fs::chown(p, Some(1000), Some(1000)).unwrap();
+                }),
+                "owned by uid 1000",
+            ),
+            (
+                "writable by others",
+                Box::new(|p: &Path| {
+                    good_file(p);
+                    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o646)).unwrap();
+                }),
+                "group or others may write it",
+            ),
+            (
+                "writable by the group",
+                Box::new(|p: &Path| {
+                    good_file(p);
+                    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o464)).unwrap();
+                }),
+                "group or others may write it",
+            ),
+            (
+                "cut short",
+                Box::new(|p: &Path| {
+                    std::fs::write(p, &good[..good.len() - PAGE]).unwrap();
+                    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o444)).unwrap();
+                }),
+                "expected",
+            ),
+            (
+                "a symbolic link to a good copy",
+                Box::new(|p: &Path| std::os::unix::fs::symlink(&elsewhere, p).unwrap()),
+                "symbolic link",
+            ),
+            (
+                "a FIFO",
+                Box::new(|p: &Path| {
+                    rustix::fs::mknodat(
+                        rustix::fs::CWD,
+                        p,
+                        rustix::fs::FileType::Fifo,
+                        Mode::from_raw_mode(0o444),
+                        0,
+                    )
+                    .unwrap()
+                }),
+                "not a regular file",
+            ),
+            (
+                "a directory",
+                Box::new(|p: &Path| std::fs::create_dir(p).unwrap()),
+                "not a regular file",
+            ),
+        ];
+        for (what, how, reason) in &cases {
+            replace(how.as_ref());
+            let mut vm = test_sharing(&d, "ns-x", false, &initrd_path, 0);
+            match vm.prepare() {
+                Err(e @ PageSharingError::Template { .. }) => {
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains(&name) && msg.contains(reason) && msg.contains("refused"),
+                        "{what}: {msg}"
+                    );
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+            assert!(vm.index.is_none(), "{what}: nothing prepared");
+        }
+        // The good file again: accepted (the checks refuse only what is unfit).
+        replace(&good_file);
+        let mut vm = test_sharing(&d, "ns-x", false, &initrd_path, 0);
+        vm.prepare().unwrap();
+        assert_eq!(
+            good,
+            initrd_template(&cpio).unwrap(),
+            "the template is the initrd's files"
+        );
+        // A remembered sum that is not 64 bytes is refused too.
+        let sums: Vec<_> = std::fs::read_dir(d.join(CAPTURED_DIR))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(sums.len(), 1);
+        std::fs::remove_file(&sums[0]).unwrap();
+        std::fs::write(&sums[0], b"00").unwrap();
+        std::fs::set_permissions(&sums[0], std::fs::Permissions::from_mode(0o444)).unwrap();
+        let mut vm = test_sharing(&d, "ns-x", false, &initrd_path, 0);
+        let e = vm.prepare().unwrap_err().to_string();
+        assert!(e.contains("2 bytes, expected 64"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_file(&initrd_path).unwrap();
+    }
+
+    /// The directories: a domain or the root that is a symbolic link, or that others may enter,
+    /// is refused; a domain name that is not one safe component is refused.
+    #[test]
+    fn template_directories_are_checked_and_domains_are_safe_names() {
+        let d = temp_dir("dirs");
+        let (initrd_path, _) = test_initrd(&d);
+        std::fs::create_dir_all(d.join("real")).unwrap();
+        std::fs::set_permissions(d.join("real"), std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::symlink(d.join("real"), d.join("link")).unwrap();
+        let mut vm = test_sharing(&d.join("link"), "ns-x", false, &initrd_path, 0);
+        let e = vm.prepare().unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        std::fs::create_dir_all(d.join("root")).unwrap();
+        std::fs::set_permissions(d.join("root"), std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::symlink(d.join("real"), d.join("root/ns-x")).unwrap();
+        let mut vm = test_sharing(&d.join("root"), "ns-x", false, &initrd_path, 0);
+        let e = vm.prepare().unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        std::fs::create_dir(d.join("root/ns-y")).unwrap();
+        std::fs::set_permissions(d.join("root/ns-y"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        let mut vm = test_sharing(&d.join("root"), "ns-y", false, &initrd_path, 0);
+        let e = vm.prepare().unwrap_err().to_string();
+        assert!(e.contains("others may enter"), "{e}");
+        for bad in ["", "..", "a/b", "captured", "ns x", &"a".repeat(65)] {
+            assert!(!valid_domain(bad), "{bad:?}");
+            let mut vm = test_sharing(&d.join("root"), bad, false, &initrd_path, 0);
+            assert!(
+                matches!(vm.prepare(), Err(PageSharingError::Domain { .. })),
+                "{bad:?}"
+            );
+        }
+        let shop = namespace_domain("shop");
+        assert!(valid_domain(&shop) && valid_domain(NODE_DOMAIN), "{shop}");
+        assert_eq!(shop, namespace_domain("shop"));
+        assert_ne!(shop, namespace_domain("shop2"));
+        assert_eq!(namespace_domain("../../etc").len(), 3 + 32);
+        assert!(valid_domain(&namespace_domain("../../etc")));
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_file(&initrd_path).unwrap();
+    }
+
+    /// Domains map different files (so their guests share no template page), VMs of one domain
+    /// the same; a pod's VM never captures the kernel text, a capturing VM's capture is copied
+    /// into each domain.
+    #[test]
+    fn domains_map_files_of_their_own_and_only_a_capturing_vm_captures() {
+        let d = temp_dir("domains");
+        let (initrd_path, _) = test_initrd(&d);
+        let mem = create_guest_memory(2 << 20).unwrap();
+        let text: Vec<u8> = (0..2 * PAGE).map(|i| (i % 251) as u8 + 1).collect();
+        mem.write_slice(&text, GuestAddress(0)).unwrap();
+        let (a, b) = (namespace_domain("team-a"), namespace_domain("team-b"));
+
+        // A pod's VM before any capture: the kernel text is missing, and it captures nothing.
+        let mut pod = test_sharing(&d, &a, false, &initrd_path, 2);
+        assert!(pod.kernel_text_missing().unwrap());
+        assert_eq!(pod.prepare().unwrap(), (None, true));
+        assert!(matches!(
+            pod.capture_kernel_text(&mem, "kernel-text-x"),
+            Err(PageSharingError::NoCapture)
+        ));
+        assert!(matches!(
+            pod.capture_name(),
+            Err(PageSharingError::NoCapture)
+        ));
+        let report = pod.paused_pass(&mem, None, true).unwrap();
+        assert!(report.kernel_text_missing && !report.captured_kernel_text);
+        assert!(
+            report.to_string().contains("no kernel text template"),
+            "{report}"
+        );
+        pod.index = None;
+
+        // A VM that saw no pod input captures it, into the captures only.
+        let mut throwaway = test_sharing(&d, NODE_DOMAIN, true, &initrd_path, 2);
+        let name = throwaway.capture_name().unwrap().expect("to capture");
+        assert!(throwaway.capture_kernel_text(&mem, &name).unwrap());
+        assert_eq!(
+            std::fs::read(d.join(CAPTURED_DIR).join(&name)).unwrap(),
+            text
+        );
+        assert_eq!(throwaway.capture_name().unwrap(), None, "captured once");
+        assert!(!pod.kernel_text_missing().unwrap());
+
+        // Pods of two domains, and a second pod of the first.
+        let views = |domain: &str| {
+            let mut vm = test_sharing(&d, domain, false, &initrd_path, 2);
+            assert_eq!(vm.prepare().unwrap(), (None, false));
+            let index = vm.index.take().unwrap();
+            assert_eq!(index.views().len(), 2);
+            index
+                .views()
+                .iter()
+                .map(|v| (v.name().to_string(), inode(&v.file), v.bytes().to_vec()))
+                .collect::<Vec<_>>()
+        };
+        let (a1, a2, b1) = (views(&a), views(&a), views(&b));
+        assert_eq!(a1[1].0, name);
+        assert_eq!(a1[1].2, text, "the domain's copy holds the capture");
+        for i in 0..2 {
+            assert_eq!(a1[i].1, a2[i].1, "one domain maps one file");
+            assert_ne!(a1[i].1, b1[i].1, "two domains map different files");
+            assert_eq!(a1[i].2, b1[i].2, "of the same bytes");
+        }
         std::fs::remove_dir_all(&d).unwrap();
         std::fs::remove_file(&initrd_path).unwrap();
     }

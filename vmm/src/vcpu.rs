@@ -17,6 +17,7 @@ use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::cpuid::filter_cpuid;
 use crate::handle::Shared;
+use crate::jail::ThreadFilter;
 use crate::memory::GuestMemory;
 use crate::regs::{boot_fpu, boot_regs, setup_sregs, EntryMode};
 use crate::{msrs, VmExit, VmmError};
@@ -136,9 +137,16 @@ impl Vcpu {
             .map_err(VmmError::kvm("KVM_SET_REGS"))
     }
 
-    /// Runs the vCPU until the VM stops or this vCPU ends it.
-    pub fn run(mut self, shared: Arc<Shared>) {
+    /// Runs the vCPU until the VM stops or this vCPU ends it. With a `filter`, installs it
+    /// first (before the first KVM_RUN); a filter that cannot be installed ends the VM.
+    pub fn run(mut self, shared: Arc<Shared>, filter: Option<ThreadFilter>) {
         let id = self.id;
+        if let Some(f) = filter {
+            if let Err(e) = f.install() {
+                shared.finish(Err(VmmError::Jail(e)));
+                return;
+            }
+        }
         while !shared.stopping() {
             if shared.pause_point() {
                 continue;

@@ -7,7 +7,8 @@
 //! 3. devices (serial, i8042, virtio, and a PCI root with VFIO devices);
 //! 4. command line, boot information, MP table, page tables;
 //! 5. vCPUs;
-//! 6. the device event-loop thread, then one thread per vCPU.
+//! 6. the device event-loop thread, then one thread per vCPU, each installing its seccomp
+//!    filter ([`crate::jail`]) before it touches guest data.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -25,6 +26,7 @@ use crate::cpuid::filter_cpuid;
 use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
 use crate::handle::{abort_start, new_running, HandleDevices, Running, Shared, VmHandle};
+use crate::jail::{Needs, Role, ThreadFilter};
 use crate::kvm_vm::KvmVm;
 use crate::layout::{pci_intx_gsis, PCI_BAR_FIRST_SLOT};
 use crate::memory::create_guest_memory;
@@ -244,13 +246,37 @@ impl Vm {
             }
             None => None,
         };
+        // The seccomp filters of the VM's threads (crate::jail), built here so that a thread
+        // only installs its own before it touches guest data.
+        let sharing_filter = match (&page_sharing, cfg.jail) {
+            (Some(_), true) => Some(ThreadFilter::new(Role::PageSharing, Needs::default())?),
+            _ => None,
+        };
+        let (vcpu_filter, loop_filter) = if cfg.jail {
+            let needs = Needs {
+                vfio: !cfg.vfio.is_empty(),
+                shared_fs: cfg.shared_fs.is_some(),
+            };
+            (
+                Some(ThreadFilter::new(Role::Vcpu, needs)?),
+                Some(ThreadFilter::new(Role::DeviceLoop, needs)?),
+            )
+        } else {
+            (None, None)
+        };
         let mut running = new_running();
         running.mem = Some(mem);
+        // The buses (and through them every device) outlive the VM's threads: a device's last
+        // reference must not drop on a confined thread (a vsock device removes its socket file
+        // when dropped, which no confined thread may do). The handle keeps them; on a failed
+        // start, `pio` and `mmio` here do until the threads are joined.
+        let buses = vec![pio.clone(), mmio.clone()];
         let events = devices.events;
         let s = shared.clone();
+        let serves_fs = cfg.shared_fs.is_some();
         match std::thread::Builder::new()
             .name("vmm-devices".into())
-            .spawn(move || event_loop::run(events, s))
+            .spawn(move || event_loop::run(events, s, loop_filter, serves_fs))
         {
             Ok(t) => running.event_thread = Some(t),
             Err(e) => {
@@ -265,9 +291,10 @@ impl Vm {
         for vcpu in vcpus {
             let s = shared.clone();
             let name = format!("vmm-vcpu{}", vcpu.id);
+            let filter = vcpu_filter.clone();
             match std::thread::Builder::new()
                 .name(name)
-                .spawn(move || vcpu.run(s))
+                .spawn(move || vcpu.run(s, filter))
             {
                 Ok(t) => running.vcpu_threads.push(t),
                 Err(e) => {
@@ -295,6 +322,8 @@ impl Vm {
                 blocks,
                 balloon,
                 page_sharing: page_sharing.map(Mutex::new),
+                sharing_filter,
+                buses: Mutex::new(buses),
             }),
             boot_time,
             started_at,

@@ -232,6 +232,9 @@ fn a_sharing_pass_on_a_running_guest() {
     let (mut cfg, cap) = config("idle", 1, 64);
     cfg.page_sharing = Some(vmm::PageSharingConfig {
         template_dir: dir.clone(),
+        domain: vmm::page_sharing::NODE_DOMAIN.into(),
+        // A test guest: it has seen no pod input.
+        capture_kernel_text: true,
     });
     let h = Vm::start(cfg).unwrap();
     wait_for_output(&cap, "halting forever");

@@ -22,8 +22,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use shim::agent::AgentClient;
 use shim::artifacts;
+use shim::config::Hypervisor;
 use shim::host_check::{self, HostReport};
-use shim::vm::{new_work_dir, Backend, GuestSpec, GuestVm};
+use shim::vm::{new_work_dir, GuestSpec, GuestVm};
 
 #[derive(Parser)]
 #[command(name = "microvm", version, about = "microvm: pods in KVM microVMs")]
@@ -36,9 +37,11 @@ struct Cli {
 enum BackendArg {
     /// The embedded VMM on /dev/kvm.
     Kvm,
-    /// QEMU -M microvm (TCG where KVM cannot boot a Linux guest).
+    /// QEMU -M microvm (on KVM where QEMU can use it; TCG only with
+    /// --allow-software-emulation).
     Qemu,
-    /// The embedded VMM where check-host says the guest boots under it, otherwise QEMU.
+    /// The embedded VMM where check-host says the guest boots under it, otherwise QEMU as for
+    /// `qemu`.
     Auto,
 }
 
@@ -70,6 +73,10 @@ enum Command {
         /// Boot our Linux guest, call the agent's Check, print it as JSON, shut down.
         #[arg(long)]
         check: bool,
+        /// Let the QEMU backend run the guest under software emulation (TCG) where this host's
+        /// KVM cannot (the config's `allow_software_emulation`).
+        #[arg(long)]
+        allow_software_emulation: bool,
         /// Give up after this many seconds.
         #[arg(long, default_value_t = 120)]
         timeout_secs: u64,
@@ -92,6 +99,10 @@ enum Command {
         /// Print what would change, with the diff of containerd's config; change nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Install where pods can only run under QEMU's software emulation (TCG), which is no
+        /// security boundary: the config gets `allow_software_emulation = true`.
+        #[arg(long)]
+        allow_software_emulation: bool,
     },
     /// Undoes what `microvm install` recorded under the prefix; containerd's config is put back
     /// as it was (byte for byte when nobody changed it since).
@@ -130,13 +141,22 @@ fn main() -> ExitCode {
             memory_mib,
             backend,
             check,
+            allow_software_emulation,
             timeout_secs,
         } => {
             let timeout = Duration::from_secs(timeout_secs);
             let kernel = kernel.unwrap_or_else(artifacts::default_kernel);
             if check {
                 let initrd = initrd.unwrap_or_else(artifacts::default_initrd);
-                boot_check(kernel, initrd, vcpus, memory_mib, backend, timeout)
+                let size = (vcpus, memory_mib);
+                boot_check(
+                    kernel,
+                    initrd,
+                    size,
+                    backend,
+                    allow_software_emulation,
+                    timeout,
+                )
             } else {
                 boot_console(kernel, initrd, vcpus, memory_mib, backend, timeout)
             }
@@ -147,7 +167,14 @@ fn main() -> ExitCode {
             initrd,
             containerd,
             dry_run,
-        } => install(paths, kernel, initrd, containerd, dry_run),
+            allow_software_emulation,
+        } => install(
+            paths,
+            (kernel, initrd),
+            containerd,
+            dry_run,
+            allow_software_emulation,
+        ),
         Command::Uninstall { prefix, dry_run } => shim::install::uninstall(&prefix, dry_run)
             .map(|lines| {
                 for line in lines {
@@ -168,10 +195,10 @@ fn main() -> ExitCode {
 
 fn install(
     paths: InstallPaths,
-    kernel: Option<PathBuf>,
-    initrd: Option<PathBuf>,
+    (kernel, initrd): (Option<PathBuf>, Option<PathBuf>),
     containerd: PathBuf,
     dry_run: bool,
+    allow_software_emulation: bool,
 ) -> Result<ExitCode> {
     let kernel = kernel.unwrap_or_else(artifacts::default_kernel);
     let bin_source = std::env::current_exe()
@@ -194,6 +221,7 @@ fn install(
         vhost_vsock: shim::vm::qemu::default_vhost_vsock_binary(),
         qemu: PathBuf::from(shim::vm::qemu::DEFAULT_QEMU),
         dry_run,
+        allow_software_emulation,
     };
     let done = shim::install::install(&opts, &report)?;
     for line in done.lines {
@@ -219,38 +247,47 @@ fn check_host(kernel: Option<PathBuf>, json: bool) -> Result<ExitCode> {
     }))
 }
 
-/// The backend `--backend` asks for: `auto` resolved by check-host's own rule
-/// (`host_check::choose_backend`, as the shim does for `hypervisor = "auto"`); `kvm` refused,
-/// fast and with the reason, where the host cannot boot the guest under the embedded VMM.
-fn backend_for(backend: BackendArg, report: &HostReport) -> Result<Backend> {
-    match backend {
-        BackendArg::Qemu => Ok(Backend::Qemu),
-        BackendArg::Auto => {
-            let choice = host_check::choose_backend(report);
-            eprintln!("microvm: backend auto -> {choice}");
-            Ok(choice.backend)
-        }
-        BackendArg::Kvm => match report.linux_guest_blocker() {
-            None => Ok(Backend::Kvm),
-            Some(why) => bail!(
-                "this host cannot boot the guest kernel under the embedded VMM: {why} \
-                 (microvm check-host says more; --backend qemu runs it under QEMU)"
-            ),
-        },
+/// The backend `--backend` asks for, by the shim's own rule (`host_check::choose_backend`, as
+/// for the config's `hypervisor`): `kvm` refused, fast and with the reason, where the host
+/// cannot boot the guest under the embedded VMM; QEMU's software emulation refused unless
+/// `--allow-software-emulation`.
+fn backend_for(
+    backend: BackendArg,
+    allow_software_emulation: bool,
+    report: &HostReport,
+) -> Result<host_check::BackendChoice> {
+    let hypervisor = match backend {
+        BackendArg::Qemu => Hypervisor::Qemu,
+        BackendArg::Auto => Hypervisor::Auto,
+        BackendArg::Kvm => Hypervisor::Kvm,
+    };
+    let choice =
+        host_check::choose_backend(report, hypervisor, allow_software_emulation).map_err(|e| {
+            anyhow!(
+                "{e} (microvm check-host says more; the flag here is --allow-software-emulation)"
+            )
+        })?;
+    if backend == BackendArg::Auto || choice.software_emulation() {
+        eprintln!("microvm: backend -> {choice}");
     }
+    Ok(choice)
 }
 
 fn boot_check(
     kernel: PathBuf,
     initrd: PathBuf,
-    vcpus: u8,
-    memory_mib: u64,
+    (vcpus, memory_mib): (u8, u64),
     backend: BackendArg,
+    allow_software_emulation: bool,
     timeout: Duration,
 ) -> Result<ExitCode> {
     let report = host_check::probe(Some(&kernel));
-    let backend = backend_for(backend, &report)?;
-    let spec = GuestSpec::new(kernel, initrd, vcpus, memory_mib, new_work_dir("boot"));
+    let choice = backend_for(backend, allow_software_emulation, &report)?;
+    let backend = choice.backend;
+    let mut spec = GuestSpec::new(kernel, initrd, vcpus, memory_mib, new_work_dir("boot"));
+    if let Some(accel) = choice.qemu_accel {
+        spec.qemu.accel = accel;
+    }
     let mut vm = GuestVm::start(backend, &spec)?;
     vm.wait_agent_ready(timeout)?;
     // The agent client is async (ttrpc's tokio client): a small runtime for these calls.

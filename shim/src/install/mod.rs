@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, Hypervisor};
 use crate::host_check::{self, HostReport};
+use crate::vm::Backend;
 use containerd_config::{ConfigVersion, HandlerSettings};
 
 /// The shim's binary name (containerd derives it from the runtime type).
@@ -57,6 +58,10 @@ pub struct InstallOptions {
     pub qemu: PathBuf,
     /// Print what would change (with the config diff) and change nothing.
     pub dry_run: bool,
+    /// Install on a host where pods can only run under QEMU's software emulation (TCG),
+    /// writing `allow_software_emulation = true` into the config; without it such a host is
+    /// refused with check-host's reason.
+    pub allow_software_emulation: bool,
 }
 
 /// Why install or uninstall stopped. Nothing is left half done: see the module doc.
@@ -127,47 +132,63 @@ pub struct InstallReport {
     pub lines: Vec<String>,
 }
 
-/// The backend check-host's verdict picks, or why this host cannot run pods at all.
+/// The backend check-host's verdict picks (`host_check::choose_backend` for `auto`), whether it
+/// is software emulation, or why this host cannot run pods at all.
 fn choose(
     report: &HostReport,
     opts: &InstallOptions,
-) -> Result<(Hypervisor, String), InstallError> {
-    if let Some(why_not_kvm) = report.linux_guest_blocker() {
-        let qemu = which(&opts.qemu);
-        let mut missing = Vec::new();
-        if qemu.is_none() {
-            missing.push(format!("QEMU ({} not found)", opts.qemu.display()));
-        }
-        if !opts.vhost_vsock.is_file() {
-            missing.push(format!(
-                "vhost-device-vsock ({} not found: scripts/install-vhost-device-vsock.sh)",
-                opts.vhost_vsock.display()
-            ));
-        }
-        if !missing.is_empty() {
-            return Err(InstallError::HostCannotRun(format!(
-                "the embedded VMM cannot boot the guest here ({why_not_kvm}) and the QEMU backend lacks {}",
-                missing.join(" and ")
-            )));
-        }
-        Ok((
-            Hypervisor::Qemu,
-            format!("QEMU backend: the embedded VMM cannot boot the guest here: {why_not_kvm}"),
-        ))
-    } else {
-        Ok((
+) -> Result<(Hypervisor, String, bool), InstallError> {
+    let choice =
+        host_check::choose_backend(report, Hypervisor::Auto, opts.allow_software_emulation)
+            .map_err(|e| {
+                InstallError::HostCannotRun(format!(
+                    "{e}; `microvm install --allow-software-emulation` installs it so"
+                ))
+            })?;
+    if choice.backend == Backend::Kvm {
+        return Ok((
             Hypervisor::Kvm,
             format!(
                 "embedded VMM: kvm {} boots the guest kernel",
                 report.kvm_kind
             ),
-        ))
+            false,
+        ));
     }
+    let why_not_kvm = &choice.reason;
+    let qemu = which(&opts.qemu);
+    let mut missing = Vec::new();
+    if qemu.is_none() {
+        missing.push(format!("QEMU ({} not found)", opts.qemu.display()));
+    }
+    if !opts.vhost_vsock.is_file() {
+        missing.push(format!(
+            "vhost-device-vsock ({} not found: scripts/install-vhost-device-vsock.sh)",
+            opts.vhost_vsock.display()
+        ));
+    }
+    if !missing.is_empty() {
+        return Err(InstallError::HostCannotRun(format!(
+            "the embedded VMM cannot boot the guest here ({why_not_kvm}) and the QEMU backend lacks {}",
+            missing.join(" and ")
+        )));
+    }
+    let how = if choice.software_emulation() {
+        "on software emulation (TCG), allowed by --allow-software-emulation"
+    } else {
+        "on KVM"
+    };
+    Ok((
+        Hypervisor::Qemu,
+        format!("QEMU backend {how}: the embedded VMM cannot boot the guest here: {why_not_kvm}"),
+        choice.software_emulation(),
+    ))
 }
 
 /// The installed config's text.
 fn config_text(
     hypervisor: Hypervisor,
+    software_emulation: bool,
     why: &str,
     kernel: &Path,
     initrd: &Path,
@@ -187,6 +208,12 @@ fn config_text(
         toml_string(kernel),
         toml_string(initrd)
     );
+    if software_emulation {
+        text.push_str(
+            "# TCG is no security boundary; each pod on it logs a warning \
+             (docs/qemu-backend.md).\nallow_software_emulation = true\n",
+        );
+    }
     if let Some(v) = vhost_vsock {
         text.push_str(&format!(
             "\n[qemu]\nvhost_vsock_binary = {}\n",
@@ -202,7 +229,7 @@ fn toml_string(p: &Path) -> String {
 
 /// Installs microvm (see the module doc); with `dry_run`, only says what it would do.
 pub fn install(opts: &InstallOptions, report: &HostReport) -> Result<InstallReport, InstallError> {
-    let (hypervisor, why) = choose(report, opts)?;
+    let (hypervisor, why, software_emulation) = choose(report, opts)?;
     let bin = opts.prefix.join("bin");
     let share = opts.prefix.join("share");
     let etc = opts.prefix.join("etc");
@@ -243,6 +270,7 @@ pub fn install(opts: &InstallOptions, report: &HostReport) -> Result<InstallRepo
     } else {
         let text = config_text(
             hypervisor,
+            software_emulation,
             &why,
             &kernel,
             &initrd,

@@ -1,6 +1,7 @@
 //! A pod's boot, every step in order ([`Sandbox::boot`]):
 //!
-//! 1. the VM backend: the config's choice, checked against this host (`host_check`);
+//! 1. the VM backend: the config's choice, checked against this host (`host_check`); QEMU's
+//!    software emulation only where the config allows it, with a warning;
 //! 2. the VM's size, from the pod's annotations ([`spec::vm_size`]);
 //! 3. the pod's state directory, which records the shim's pid (crash cleanup starts here);
 //! 4. the host cgroup: `<pod cgroup>/microvm-<id>` under the parent of the spec's
@@ -37,12 +38,13 @@ use std::time::Duration;
 
 use crate::agent::{AgentClient, AgentError};
 use crate::config::{Config, Hypervisor};
-use crate::host_check;
+use crate::host_check::{self, BackendChoice};
 use crate::resources::cgroup::overhead::{Amounts, Defaults};
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, SetupRequest};
 use crate::resources::{devices, network, storage};
 use crate::state::{state_root, StateDir};
 use crate::task::bundle;
+use crate::vm::qemu::Accel;
 use crate::vm::thread::{BootError, VmThread};
 use crate::vm::{
     Backend, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS,
@@ -74,13 +76,50 @@ pub struct BootRequest<'a> {
     pub overhead: Amounts,
 }
 
+/// The page sharing of pod `id` (docs/page-sharing.md): its trust domain from the config and
+/// the sandbox's namespace annotation (set by containerd's CRI from the pod's metadata). In
+/// `namespace` mode a pod without a namespace shares with nobody.
+fn page_sharing(
+    id: &str,
+    config: &Config,
+    annotations: &HashMap<String, String>,
+) -> Option<vmm::PageSharingConfig> {
+    use crate::config::PageSharing;
+    let domain = match config.page_sharing {
+        PageSharing::Off => return None,
+        PageSharing::Node => vmm::page_sharing::NODE_DOMAIN.to_string(),
+        PageSharing::Namespace => {
+            match annotations
+                .get(devices::POD_NAMESPACE_ANNOTATION)
+                .filter(|ns| !ns.is_empty())
+            {
+                Some(ns) => vmm::page_sharing::namespace_domain(ns),
+                None => {
+                    log::info!(
+                        "sandbox {id}: no {} annotation: page sharing is off for this pod \
+                         (page_sharing = \"namespace\")",
+                        devices::POD_NAMESPACE_ANNOTATION
+                    );
+                    return None;
+                }
+            }
+        }
+    };
+    Some(vmm::PageSharingConfig {
+        template_dir: config.page_templates_dir.clone(),
+        domain,
+        capture_kernel_text: false,
+    })
+}
+
 impl Sandbox {
     /// Boots pod `req.id`: the steps of this module's doc, in order.
     pub async fn boot(req: BootRequest<'_>) -> Result<Sandbox, SandboxError> {
         let id = req.id;
         let config = &req.config;
         // 1. The backend.
-        let backend = choose_backend(id, config)?;
+        let choice = choose_backend(id, config)?;
+        let backend = choice.backend;
         // 2. The size.
         let size = spec::vm_size(config, req.annotations).map_err(SandboxError::Size)?;
         // 3. The state directory.
@@ -202,8 +241,7 @@ impl Sandbox {
         guest.nics = nics;
         guest.vfio = cold.vfio.clone();
         guest.free_page_reporting = config.free_page_reporting;
-        guest.page_sharing = (config.page_sharing == crate::config::PageSharing::Public)
-            .then(|| config.page_templates_dir.clone());
+        guest.page_sharing = page_sharing(id, config, req.annotations);
         let mut cold_files: Vec<Option<std::fs::File>> =
             cold.disks.into_iter().map(|d| Some(d.file)).collect();
         for d in &layout {
@@ -231,6 +269,9 @@ impl Sandbox {
         guest.qemu = QemuPrograms {
             qemu: config.qemu.binary.clone(),
             vhost_vsock: config.qemu.vhost_vsock_binary.clone(),
+            accel: choice.qemu_accel.unwrap_or(Accel::Kvm),
+            // Checked by Config::validate.
+            jail_id: crate::vm::qemu::jail_id(config.qemu.jail_id_base).unwrap_or(u32::MAX),
         };
         log::info!(
             "sandbox {id}: booting a {backend} VM with {} vCPUs, {} MiB",
@@ -346,24 +387,26 @@ fn host_cgroup(
     Ok(Some(cg))
 }
 
-/// Step 1: the config's hypervisor on this host.
-fn choose_backend(id: &str, config: &Config) -> Result<Backend, SandboxError> {
-    Ok(match config.hypervisor {
-        Hypervisor::Auto => {
-            let report = host_check::probe(Some(&config.kernel));
-            let choice = host_check::choose_backend(&report);
-            log::info!("sandbox {id}: hypervisor auto -> {choice}");
-            choice.backend
-        }
-        Hypervisor::Kvm => {
-            let report = host_check::probe(Some(&config.kernel));
-            if let Some(reason) = report.linux_guest_blocker() {
-                return Err(SandboxError::KvmUnusable(reason));
-            }
-            Backend::Kvm
-        }
-        Hypervisor::Qemu => Backend::Qemu,
-    })
+/// Step 1: the config's hypervisor on this host (`host_check::choose_backend`): the backend
+/// and, for QEMU, its accelerator. Software emulation is logged at warn, once per pod.
+fn choose_backend(id: &str, config: &Config) -> Result<BackendChoice, SandboxError> {
+    let report = host_check::probe(Some(&config.kernel));
+    let choice =
+        host_check::choose_backend(&report, config.hypervisor, config.allow_software_emulation)?;
+    let name = match config.hypervisor {
+        Hypervisor::Auto => "auto",
+        Hypervisor::Kvm => "kvm",
+        Hypervisor::Qemu => "qemu",
+    };
+    if choice.software_emulation() {
+        log::warn!(
+            "sandbox {id}: hypervisor {name} -> {choice}: the guest runs under software \
+             emulation, which is no security boundary (allowed by allow_software_emulation)"
+        );
+    } else {
+        log::info!("sandbox {id}: hypervisor {name} -> {choice}");
+    }
+    Ok(choice)
 }
 
 /// Step 9: the agent, reachable now that it reported ready, answers Check.
@@ -386,5 +429,43 @@ async fn discard(id: &str, vm: &VmThread, state: &StateDir, status: u32) {
     vm.wait().await;
     if let Err(c) = release_host_resources(state).await {
         log::warn!("{id}: cleanup after a failed create: {c}");
+    }
+}
+
+#[cfg(test)]
+mod page_sharing_tests {
+    use super::*;
+    use crate::config::PageSharing;
+
+    #[test]
+    fn the_trust_domain_comes_from_the_config_and_the_namespace() {
+        let mut config = Config::default();
+        let ns = |n: &str| {
+            HashMap::from([(devices::POD_NAMESPACE_ANNOTATION.to_string(), n.to_string())])
+        };
+        let domain = |c: &Config, a: &HashMap<String, String>| {
+            page_sharing("p", c, a).map(|s| {
+                assert!(!s.capture_kernel_text, "a pod never captures");
+                assert_eq!(s.template_dir, c.page_templates_dir);
+                s.domain
+            })
+        };
+        // The default: per namespace; a pod without one shares with nobody.
+        let shop = domain(&config, &ns("shop")).unwrap();
+        assert_eq!(shop, vmm::page_sharing::namespace_domain("shop"));
+        assert_ne!(shop, domain(&config, &ns("bank")).unwrap());
+        assert_eq!(domain(&config, &HashMap::new()), None);
+        assert_eq!(domain(&config, &ns("")), None);
+        config.page_sharing = PageSharing::Node;
+        assert_eq!(
+            domain(&config, &ns("shop")).as_deref(),
+            Some(vmm::page_sharing::NODE_DOMAIN)
+        );
+        assert_eq!(
+            domain(&config, &HashMap::new()).as_deref(),
+            Some(vmm::page_sharing::NODE_DOMAIN)
+        );
+        config.page_sharing = PageSharing::Off;
+        assert_eq!(domain(&config, &ns("shop")), None);
     }
 }

@@ -43,11 +43,8 @@ pub use container::NewContainer;
 pub enum SandboxError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error(
-        "this host cannot boot the guest under KVM: {0} (hypervisor = \"qemu\" in the config \
-         runs it under QEMU)"
-    )]
-    KvmUnusable(String),
+    #[error(transparent)]
+    Backend(#[from] crate::host_check::BackendRefusal),
     #[error("{0}")]
     Size(String),
     #[error("{0}")]
@@ -84,7 +81,7 @@ impl SandboxError {
             | SandboxError::Size(_)
             | SandboxError::StateName(_)
             | SandboxError::Spec(_) => Code::INVALID_ARGUMENT,
-            SandboxError::KvmUnusable(_) | SandboxError::Network(_) | SandboxError::Cgroup(_) => {
+            SandboxError::Backend(_) | SandboxError::Network(_) | SandboxError::Cgroup(_) => {
                 Code::FAILED_PRECONDITION
             }
             SandboxError::State(_) | SandboxError::Share(_) | SandboxError::Task(_) => {

@@ -138,11 +138,20 @@ pub fn one_line(text: &str, max: usize) -> String {
 pub fn init(
     debug: bool,
     default_level: &str,
-    namespace: &str,
-    id: &str,
+    _namespace: &str,
+    _id: &str,
 ) -> Result<(), containerd_shim::Error> {
-    let fifo = containerd_shim::logger::FifoLogger::new(namespace, id)
+    // The log fifo containerd reads (as containerd_shim::logger::FifoLogger::new opens it),
+    // and a second descriptor of it for the VMM's seccomp report: a VM thread that makes a
+    // forbidden system call kills the shim, and this is where the line saying so goes.
+    let log = std::fs::OpenOptions::new()
+        .write(true)
+        .open("log")
         .map_err(|e| containerd_shim::Error::Other(format!("failed to init logger: {e}")))?;
+    if let Ok(report) = log.try_clone() {
+        vmm::jail::report_violations_to(report.into());
+    }
+    let fifo = containerd_shim::logger::FifoLogger::with_file(log);
     let level = std::env::var(containerd_shim::logger::LOG_ENV)
         .unwrap_or_else(|_| default_level.to_string());
     let level = level

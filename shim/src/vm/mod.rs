@@ -83,9 +83,10 @@ pub struct GuestSpec {
     /// dropped (docs/virtio-balloon.md). Left out when `vfio` is not empty: the pages a device
     /// DMAs into are pinned, and dropping them would take them from the guest.
     pub free_page_reporting: bool,
-    /// Embedded VMM: the page template directory when guest pages equal to public templates
-    /// are shared (docs/page-sharing.md); `None`: off. Left out when `vfio` is not empty.
-    pub page_sharing: Option<PathBuf>,
+    /// Embedded VMM: the page sharing of the VM (template root and the pod's trust domain)
+    /// when guest pages equal to public templates are shared (docs/page-sharing.md); `None`:
+    /// off. Left out when `vfio` is not empty.
+    pub page_sharing: Option<vmm::PageSharingConfig>,
 }
 
 /// A virtio-blk disk of the guest; the guest finds it by its serial
@@ -123,13 +124,18 @@ pub struct GuestNic {
     pub mtu: u16,
 }
 
-/// The programs the QEMU backend runs (the config's `[qemu]` table).
+/// The programs the QEMU backend runs (the config's `[qemu]` table) and how QEMU runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QemuPrograms {
     /// `qemu-system-x86_64` (looked up on PATH unless a path).
     pub qemu: PathBuf,
     /// `vhost-device-vsock`.
     pub vhost_vsock: PathBuf,
+    /// QEMU's accelerator, as `host_check::choose_backend` decided it (the default
+    /// [`Accel::Kvm`]: software emulation is chosen only there).
+    pub accel: Accel,
+    /// The uid and gid QEMU and vhost-device-vsock run as (`qemu::QemuConfig::jail_id`).
+    pub jail_id: u32,
 }
 
 impl Default for QemuPrograms {
@@ -137,6 +143,9 @@ impl Default for QemuPrograms {
         QemuPrograms {
             qemu: PathBuf::from(qemu::DEFAULT_QEMU),
             vhost_vsock: qemu::default_vhost_vsock_binary(),
+            accel: Accel::Kvm,
+            jail_id: qemu::jail_id(qemu::DEFAULT_JAIL_ID_BASE)
+                .expect("the default jail id range fits"),
         }
     }
 }
@@ -171,13 +180,67 @@ impl GuestSpec {
 
     /// The page sharing of the VM: asked for, and no VFIO device (pinned pages).
     fn page_sharing_config(&self) -> Option<vmm::PageSharingConfig> {
-        let dir = self
-            .page_sharing
-            .as_ref()
-            .filter(|_| self.vfio.is_empty())?;
-        Some(vmm::PageSharingConfig {
-            template_dir: dir.clone(),
-        })
+        self.page_sharing.clone().filter(|_| self.vfio.is_empty())
+    }
+
+    /// The spec of the VM that captures the kernel text template for this one's page sharing
+    /// (docs/page-sharing.md): a VM that sees no pod input. It has this spec's kernel, initrd,
+    /// size, boot files, balloon and agent log level, and the same kinds and numbers of devices
+    /// (the guest kernel patches its text by what it finds), but nothing of the pod behind them:
+    /// no hostname; the share is `empty_share` (an empty directory of the caller's) under the
+    /// same tag; each network card is one of `taps` (reaching nothing: the caller's, in a
+    /// network namespace of their own) with a fixed local MAC and the pod card's MTU; each disk
+    /// an empty slot; no VFIO device. Its work folder is its own, beside this one's. `None` when
+    /// this VM shares no pages.
+    pub fn kernel_text_capture(
+        &self,
+        empty_share: &Path,
+        taps: Vec<Arc<OwnedFd>>,
+    ) -> Option<GuestSpec> {
+        let sharing = self.page_sharing_config()?;
+        let mut work_dir = self.work_dir.clone().into_os_string();
+        work_dir.push("-capture");
+        let mut spec = GuestSpec::new(
+            self.kernel.clone(),
+            self.initrd.clone(),
+            self.vcpus,
+            self.memory_mib,
+            PathBuf::from(work_dir),
+        );
+        spec.agent_log_level = self.agent_log_level.clone();
+        spec.boot_files = self.boot_files;
+        spec.free_page_reporting = self.free_page_reporting;
+        spec.shared = self.shared.as_ref().map(|s| SharedDir {
+            tag: s.tag.clone(),
+            host_dir: empty_share.to_path_buf(),
+        });
+        spec.nics = self
+            .nics
+            .iter()
+            .zip(taps)
+            .enumerate()
+            .map(|(i, (nic, tap))| GuestNic {
+                tap,
+                mac: [0x02, 0, 0, 0, 0, u8::try_from(i + 1).unwrap_or(u8::MAX)],
+                mtu: nic.mtu,
+            })
+            .collect();
+        spec.disks = self
+            .disks
+            .iter()
+            .enumerate()
+            .map(|(i, d)| GuestDisk {
+                serial: format!("capture{i}"),
+                backing: DiskBacking::Empty {
+                    read_only: d.backing.read_only(),
+                },
+            })
+            .collect();
+        spec.page_sharing = Some(vmm::PageSharingConfig {
+            capture_kernel_text: true,
+            ..sharing
+        });
+        Some(spec)
     }
 
     /// Whether the VM gets the balloon: asked for, and no VFIO device.
@@ -359,6 +422,28 @@ impl Vm {
         }
     }
 
+    /// Whether the VM's kernel text template is still to be captured (embedded VMM with page
+    /// sharing on; `None` otherwise).
+    fn kernel_text_template_missing(&self) -> Option<Result<bool, GuestVmError>> {
+        match self {
+            Vm::Embedded(h) => match h.kernel_text_template_missing() {
+                Err(vmm::VmmError::PageSharing(vmm::page_sharing::PageSharingError::Off)) => None,
+                r => Some(r.map_err(Into::into)),
+            },
+            Vm::Qemu(_) => None,
+        }
+    }
+
+    /// Captures the kernel text template from this VM (one that saw no pod input).
+    fn capture_kernel_text(&self) -> Result<bool, GuestVmError> {
+        match self {
+            Vm::Embedded(h) => Ok(h.capture_kernel_text()?),
+            Vm::Qemu(_) => Err(GuestVmError::Unsupported(
+                "page sharing on the QEMU backend",
+            )),
+        }
+    }
+
     /// Stops the guest (bounded) and waits for it to end.
     fn stop(&mut self) -> Result<(), GuestVmError> {
         match self {
@@ -424,7 +509,17 @@ impl GuestVm {
         })?;
         let started_at = Instant::now();
         let console_log = console_log_in(&spec.work_dir);
-        let uds = spec.work_dir.join(VSOCK_UDS_NAME);
+        let uds = match backend {
+            Backend::Kvm => spec.work_dir.join(VSOCK_UDS_NAME),
+            // In a folder of its own, which the jailed vhost-device-vsock may write.
+            Backend::Qemu => qemu::vsock_uds_in(&spec.work_dir),
+        };
+        if let Some(dir) = uds.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| GuestVmError::WorkDir {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
         let result = ReadyListener::bind(&uds)
             .map_err(|source| GuestVmError::AgentNotReady {
                 source,
@@ -538,7 +633,8 @@ impl GuestVm {
         cfg.vcpus = u32::from(spec.vcpus);
         cfg.memory_mib = memory_mib;
         cfg.guest_cid = GUEST_CID;
-        cfg.accel = Accel::Auto;
+        cfg.accel = spec.qemu.accel;
+        cfg.jail_id = spec.qemu.jail_id;
         cfg.console_log = Some(console_log.to_path_buf());
         cfg.console_log_bytes = CONSOLE_LOG_BYTES;
         cfg.cmdline_extra = spec.cmdline_extra();
@@ -678,6 +774,18 @@ impl GuestVm {
         self.vm.share_pages()
     }
 
+    /// Whether this VM's kernel text template is still to be captured
+    /// ([`GuestSpec::kernel_text_capture`]); `None` when it shares no pages.
+    pub fn kernel_text_template_missing(&self) -> Option<Result<bool, GuestVmError>> {
+        self.vm.kernel_text_template_missing()
+    }
+
+    /// Captures the kernel text template from this VM, which must be one that saw no pod input
+    /// (started from [`GuestSpec::kernel_text_capture`]); whether it captured.
+    pub fn capture_kernel_text(&self) -> Result<bool, GuestVmError> {
+        self.vm.capture_kernel_text()
+    }
+
     /// Empties disk slot `index`.
     pub fn detach_block(&self, index: usize) -> Result<(), GuestVmError> {
         self.vm.detach_block(index)
@@ -746,18 +854,84 @@ mod tests {
 
     #[test]
     fn page_sharing_is_left_out_beside_vfio_devices() {
-        let mut s = spec(None, None);
+        let mut s = spec(None, Some("pod"));
         assert_eq!(s.page_sharing_config(), None, "off unless asked");
-        s.page_sharing = Some(PathBuf::from("/run/t"));
-        assert_eq!(
-            s.page_sharing_config(),
-            Some(vmm::PageSharingConfig {
-                template_dir: PathBuf::from("/run/t")
-            })
-        );
+        assert!(s.kernel_text_capture(Path::new("/e"), Vec::new()).is_none());
+        let sharing = vmm::PageSharingConfig {
+            template_dir: PathBuf::from("/run/t"),
+            domain: vmm::page_sharing::namespace_domain("shop"),
+            capture_kernel_text: false,
+        };
+        s.page_sharing = Some(sharing.clone());
+        assert_eq!(s.page_sharing_config(), Some(sharing.clone()));
         s.vfio
-            .push(PathBuf::from("/sys/bus/pci/devices/0000:00:04.0"));
+            .push(PathBuf::from("/sys/bus/pci/devices/0000:00:01.0"));
         assert_eq!(s.page_sharing_config(), None);
+        assert!(s.kernel_text_capture(Path::new("/e"), Vec::new()).is_none());
+    }
+
+    /// The VM that captures the kernel text gets the pod's kinds of devices with nothing of the
+    /// pod behind them.
+    #[test]
+    fn the_capture_vm_gets_nothing_of_the_pod() {
+        let mut s = spec(Some("debug"), Some("pod-host"));
+        s.page_sharing = Some(vmm::PageSharingConfig {
+            template_dir: PathBuf::from("/run/t"),
+            domain: vmm::page_sharing::namespace_domain("shop"),
+            capture_kernel_text: false,
+        });
+        s.shared = Some(SharedDir {
+            tag: "share".into(),
+            host_dir: PathBuf::from("/run/microvm/p/shared"),
+        });
+        let pod_file = Arc::new(File::open("/dev/null").unwrap());
+        s.disks.push(GuestDisk {
+            serial: "pod-disk".into(),
+            backing: DiskBacking::File {
+                file: pod_file,
+                read_only: true,
+            },
+        });
+        s.disks.push(GuestDisk {
+            serial: "slot".into(),
+            backing: DiskBacking::Empty { read_only: false },
+        });
+        let pod_tap: Arc<OwnedFd> = Arc::new(File::open("/dev/null").unwrap().into());
+        s.nics.push(GuestNic {
+            tap: pod_tap.clone(),
+            mac: [0x0a, 1, 2, 3, 4, 5],
+            mtu: 1450,
+        });
+        s.free_page_reporting = true;
+        let inert: Arc<OwnedFd> = Arc::new(File::open("/dev/null").unwrap().into());
+        let c = s
+            .kernel_text_capture(Path::new("/run/empty"), vec![inert.clone()])
+            .expect("a capture spec");
+        let share = c.shared.as_ref().expect("a share, empty");
+        assert_eq!(
+            (share.tag.as_str(), share.host_dir.as_path()),
+            ("share", Path::new("/run/empty"))
+        );
+        assert_eq!(c.disks.len(), 2);
+        for (d, ro) in c.disks.iter().zip([true, false]) {
+            assert!(
+                matches!(d.backing, DiskBacking::Empty { read_only } if read_only == ro),
+                "{d:?}"
+            );
+            assert!(d.serial.starts_with("capture"), "{}", d.serial);
+        }
+        assert_eq!(c.nics.len(), 1);
+        assert!(Arc::ptr_eq(&c.nics[0].tap, &inert));
+        assert_eq!((c.nics[0].mac, c.nics[0].mtu), ([2, 0, 0, 0, 0, 1], 1450));
+        assert!(c.vfio.is_empty() && c.hostname.is_none());
+        assert_eq!(c.cmdline_extra(), "MICROVM_AGENT_LOG=debug");
+        assert_eq!((c.vcpus, c.memory_mib), (s.vcpus, s.memory_mib));
+        assert!(c.free_page_reporting);
+        assert_ne!(c.work_dir, s.work_dir);
+        assert_eq!(c.work_dir.parent(), s.work_dir.parent());
+        let sharing = c.page_sharing.expect("sharing");
+        assert!(sharing.capture_kernel_text);
+        assert_eq!(sharing.domain, vmm::page_sharing::namespace_domain("shop"));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! task, matters: QEMU's children get `PR_SET_PDEATHSIG` tied to the thread that spawned them,
 //! so that thread must live exactly as long as the VM.
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
@@ -176,6 +177,75 @@ fn lost(why: &str) -> VmEnd {
 
 type Ready = Result<(PathBuf, String), BootError>;
 
+/// A tap in a network namespace made for it alone (empty, and gone with the tap's descriptor,
+/// which holds it): a network card of the capture VM exists, as the pod's does, but reaches
+/// nothing.
+fn isolated_tap() -> std::io::Result<std::os::fd::OwnedFd> {
+    std::thread::Builder::new()
+        .name("capture-tap".into())
+        .spawn(|| {
+            // SAFETY: unshare(CLONE_NEWNET) moves only this thread (one of its own, which ends
+            // right after) into a new network namespace; no memory is involved.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            crate::resources::network::open_tap("capture0").map_err(std::io::Error::other)
+        })?
+        .join()
+        .map_err(|_| std::io::Error::other("the tap thread panicked"))?
+}
+
+/// Boots the VM of [`GuestSpec::kernel_text_capture`] (one that sees no pod input: an empty
+/// share, taps that reach nothing, empty disk slots), waits for its agent, captures its kernel
+/// text as the template, and stops it. A failure is logged: the pod then shares no kernel text
+/// (its pass says so).
+fn capture_kernel_text(spec: &GuestSpec) {
+    let started = std::time::Instant::now();
+    let mut empty = spec.work_dir.clone().into_os_string();
+    empty.push("-capture-share");
+    let empty = PathBuf::from(empty);
+    let result = (|| {
+        let taps = spec
+            .nics
+            .iter()
+            .map(|_| isolated_tap().map(std::sync::Arc::new))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| format!("a tap for the capture VM: {e}"))?;
+        let _ = std::fs::remove_dir_all(&empty);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&empty)
+            .map_err(|e| format!("{}: {e}", empty.display()))?;
+        let Some(capture) = spec.kernel_text_capture(&empty, taps) else {
+            return Ok(false);
+        };
+        let mut vm = GuestVm::start(Backend::Kvm, &capture).map_err(|e| e.to_string())?;
+        let captured = vm
+            .wait_agent_ready(AGENT_READY_TIMEOUT)
+            .and_then(|()| vm.capture_kernel_text());
+        if let Err(e) = vm.stop() {
+            log::warn!("page sharing: stopping the capture VM: {e}");
+        }
+        captured.map_err(|e| e.to_string())
+    })();
+    let _ = std::fs::remove_dir_all(&empty);
+    match result {
+        Ok(true) => log::info!(
+            "page sharing: the kernel text template was captured from a VM that saw no pod \
+             input in {:?}",
+            started.elapsed()
+        ),
+        Ok(false) => log::info!(
+            "page sharing: the capture VM captured no kernel text template (another pod's did, \
+             or the kernel has no text range)"
+        ),
+        Err(e) => log::warn!(
+            "page sharing: capturing the kernel text template failed (this pod shares no \
+             kernel text): {e}"
+        ),
+    }
+}
+
 fn vm_thread(
     backend: Backend,
     spec: GuestSpec,
@@ -205,9 +275,15 @@ fn vm_thread(
         "agent ready {:?} after boot start",
         vm.started_at().elapsed()
     );
-    // Page sharing, before the sandbox is reported ready: no container has run in the guest
-    // yet (the first pod after a host boot captures the kernel text template here).
+    // Page sharing, before the sandbox is reported ready (docs/page-sharing.md). The kernel
+    // text template is never taken from this pod's guest: if none was captured yet (the first
+    // pod after a host boot), a VM that sees no pod input is booted and captures it first.
     // (The VMM logs what the pass did.)
+    match vm.kernel_text_template_missing() {
+        Some(Ok(true)) => capture_kernel_text(&spec),
+        Some(Err(e)) => log::warn!("page sharing: looking for the kernel text template: {e}"),
+        Some(Ok(false)) | None => {}
+    }
     if let Some(Err(e)) = vm.share_pages() {
         log::warn!("page sharing failed (the pod runs without it): {e}");
     }

@@ -20,7 +20,7 @@
 //! accelerator, and the targets; on the embedded VMM also the idle pod's guest RAM and
 //! the shim's own memory. `BENCH_IDLE_SECS` (default 1) is how long after StartContainer the
 //! idle memory is read; `BENCH_FREE_PAGE_REPORTING=0` gives the pods no balloon
-//! (docs/virtio-balloon.md), to measure what it gives back; `BENCH_PAGE_SHARING=public|off` sets
+//! (docs/virtio-balloon.md), to measure what it gives back; `BENCH_PAGE_SHARING=namespace|node|off` sets
 //! the shim's `page_sharing` (docs/page-sharing.md). The backend is the one `microvm check-host` picks, or
 //! `BENCH_HYPERVISOR=kvm|qemu` (kvm where check-host says it cannot boot is an error).
 //!
@@ -707,10 +707,11 @@ impl PodSetup {
             std::fs::write(&config, text)
                 .with_context(|| format!("writing {}", config.display()))?;
         }
-        // `BENCH_PAGE_SHARING=public|off`: the shim's `page_sharing` (docs/page-sharing.md).
+        // `BENCH_PAGE_SHARING=namespace|node|off`: the shim's `page_sharing`
+        // (docs/page-sharing.md; `public` is the old name of `node`).
         if let Ok(how) = std::env::var("BENCH_PAGE_SHARING") {
-            if how != "public" && how != "off" {
-                bail!("BENCH_PAGE_SHARING={how:?}: expected public or off");
+            if !["namespace", "node", "public", "off"].contains(&how.as_str()) {
+                bail!("BENCH_PAGE_SHARING={how:?}: expected namespace, node or off");
             }
             let mut text = std::fs::read_to_string(&config).context("reading the shim config")?;
             text.insert_str(0, &format!("page_sharing = \"{how}\"\n"));

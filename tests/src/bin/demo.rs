@@ -164,7 +164,9 @@ async fn run() -> Result<()> {
         ),
         _ => println!(
             "-> backend: QEMU `-M microvm` (hypervisor = \"qemu\"; TCG unless /dev/kvm is hardware \
-             virtualization), because check-host says: {}",
+             virtualization, so the demo's config sets allow_software_emulation = true: software \
+             emulation is no security boundary, and the shim runs on it only when allowed), \
+             because check-host says: {}",
             backend.reason
         ),
     }

@@ -30,6 +30,8 @@ mod discover;
 mod netns;
 mod record;
 mod tap;
+// The page sharing capture VM opens an inert tap of its own (shim/src/vm/thread.rs).
+pub(crate) use tap::open_tap;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

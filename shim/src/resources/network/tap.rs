@@ -26,7 +26,7 @@ const INGRESS_PARENT: TcHandle = TcHandle {
 const IFNAMSIZ: usize = 16;
 
 /// Opens a tap named `name` in the calling thread's netns.
-fn open_tap(name: &str) -> Result<OwnedFd, NetworkError> {
+pub(crate) fn open_tap(name: &str) -> Result<OwnedFd, NetworkError> {
     let err = |source| NetworkError::TapCreate {
         name: name.to_owned(),
         source,

@@ -55,6 +55,19 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
         Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
         _ => push(&["-accel", "tcg"]),
     }
+    // Confined before the guest runs: the seccomp filter from the start, then, once QEMU has
+    // opened everything on this command line (kernel, initrd, /dev/kvm, the vhost-user
+    // sockets, the memfd), chroot into an empty folder and the jail id (QEMU's os_setup_post).
+    let runas = format!("{}:{}", cfg.jail_id, cfg.jail_id);
+    let chroot = paths.jail_root.display().to_string();
+    push(&[
+        "-sandbox",
+        super::QEMU_SANDBOX,
+        "-runas",
+        &runas,
+        "-chroot",
+        &chroot,
+    ]);
     let smp = cfg.vcpus.to_string();
     let memfd = format!("memory-backend-memfd,id=mem,size={mem},share=on");
     let chardev = format!(

@@ -51,6 +51,10 @@ pub struct QemuConfig {
     /// A virtio-balloon with free page reporting (`free-page-reporting=on`): QEMU drops the
     /// pages the guest reports free (docs/virtio-balloon.md).
     pub free_page_reporting: bool,
+    /// The uid and gid QEMU and vhost-device-vsock run as once set up (QEMU's `-runas`, after it
+    /// opened everything; vhost-device-vsock from its start). Never 0. Default:
+    /// [`super::jail_id`] of [`super::DEFAULT_JAIL_ID_BASE`].
+    pub jail_id: u32,
 }
 
 /// A virtio-blk disk on a host file or block device the caller opened; QEMU gets a copy as fd
@@ -135,10 +139,19 @@ impl QemuConfig {
             disks: Vec::new(),
             free_page_reporting: false,
             virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
+            jail_id: super::jail_id(super::DEFAULT_JAIL_ID_BASE)
+                .expect("the default jail id range fits"),
         }
     }
 
     pub(super) fn validate(&self) -> Result<(), QemuError> {
+        if self.jail_id == 0 || self.jail_id == u32::MAX {
+            return Err(QemuError::InvalidConfig(format!(
+                "jail_id must be neither 0 (root) nor {}, got {}",
+                u32::MAX,
+                self.jail_id
+            )));
+        }
         if self.nics.len() > MAX_NICS {
             return Err(QemuError::InvalidConfig(format!(
                 "{} network cards, at most {MAX_NICS}",

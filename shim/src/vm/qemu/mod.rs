@@ -16,13 +16,11 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
-
-use crate::host_check::KvmKind;
 
 mod cmdline;
 mod config;
@@ -35,8 +33,8 @@ pub use config::{
     MAX_NICS, NIC_FD_BASE,
 };
 use process::{
-    create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file, terminate,
-    ConsolePump, VmPaths,
+    confine_helper, create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file,
+    terminate, ConsolePump, HelperIds, VmPaths,
 };
 /// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -56,6 +54,43 @@ const DEFAULT_HZ: u64 = 250;
 
 /// The QEMU binary, looked up on PATH.
 pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
+
+/// The first uid (and gid) of the range the QEMU backend's guest-facing processes run as
+/// (`[qemu] jail_id_base`): a process's VMs get `base + its pid` ([`jail_id`]). No passwd entry
+/// is needed; nothing else on the node may use the range.
+pub const DEFAULT_JAIL_ID_BASE: u32 = 2_000_000_000;
+
+/// How many ids the range holds: Linux's largest pid (`PID_MAX_LIMIT` on 64-bit), so that every
+/// shim process (one per pod) gets an id of its own.
+pub const JAIL_ID_RANGE: u32 = 1 << 22;
+
+/// The uid and gid of this process's VMs: `base` + this process's pid, so two pods' QEMUs never
+/// share an id (one shim process per pod). `None` when the range would pass `u32::MAX - 1`
+/// (`(uid_t)-1` means "unchanged" to the kernel) or `base` is 0.
+pub fn jail_id(base: u32) -> Option<u32> {
+    if base == 0 || base.checked_add(JAIL_ID_RANGE)? == u32::MAX {
+        return None;
+    }
+    Some(base + std::process::id() % JAIL_ID_RANGE)
+}
+
+/// Where a VM started in `work_dir` has its hybrid-vsock socket: in a folder of its own that the
+/// jailed vhost-device-vsock may write (it binds its sockets there), so that nothing else in
+/// the work dir is writable by it. Listeners the caller binds at `<uds>_<port>` before
+/// [`QemuVm::start`] are handed to the VM's id when it starts.
+pub fn vsock_uds_in(work_dir: &Path) -> PathBuf {
+    work_dir.join(VSOCK_DIR).join("vsock.sock")
+}
+
+/// The folder of [`vsock_uds_in`].
+const VSOCK_DIR: &str = "vsock";
+
+/// QEMU's seccomp filter (`-sandbox`): the obsolete system calls, spawning processes and
+/// changing scheduling or resource limits are refused. `elevateprivileges=deny` is left out: it
+/// also refuses the set*id calls of QEMU's own `-runas`, which kill QEMU (SIGSYS) at its drop to
+/// the jail id; after that drop QEMU has no capability, every uid and gid it holds is the jail
+/// id and `no_new_privs` is set, so a set*id call can gain nothing.
+pub const QEMU_SANDBOX: &str = "on,obsolete=deny,spawn=deny,resourcecontrol=deny";
 
 /// The vhost-device-vsock version scripts/install-vhost-device-vsock.sh installs.
 pub const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
@@ -88,19 +123,11 @@ pub enum Accel {
 }
 
 impl Accel {
-    /// Resolves [`Accel::Auto`] for this host.
+    /// Resolves [`Accel::Auto`] for this host (`host_check::qemu_accel_for`).
     pub fn resolve(self) -> Accel {
         match self {
-            Accel::Auto => Accel::for_kvm_kind(crate::host_check::kvm_kind().0),
+            Accel::Auto => crate::host_check::qemu_accel_for(crate::host_check::kvm_kind().0),
             other => other,
-        }
-    }
-
-    /// What [`Accel::Auto`] means on a host with this kind of KVM.
-    fn for_kvm_kind(kind: KvmKind) -> Accel {
-        match kind {
-            KvmKind::Hardware | KvmKind::Nested | KvmKind::SvmEmulatedByQemuTcg => Accel::Kvm,
-            KvmKind::Pvm | KvmKind::Unknown | KvmKind::None => Accel::Tcg,
         }
     }
 }
@@ -163,6 +190,12 @@ pub enum QemuError {
         timeout: Duration,
         console: String,
     },
+    #[error("cannot prepare {path} for the VM's jail id {id}: {source}")]
+    Jail {
+        path: PathBuf,
+        id: u32,
+        source: io::Error,
+    },
     #[error("cannot wait for {binary} (pid {pid}): {source}")]
     Wait {
         binary: PathBuf,
@@ -186,6 +219,8 @@ pub const VIRTIOFSD_MODCAPS: &str = "-mknod:-setfcap:-fsetid";
 /// - `modcaps`: [`VIRTIOFSD_MODCAPS`].
 /// - `no_xattr` (its default, made explicit): every SETXATTR is refused, `security.capability`
 ///   included. An `xattrmap` would turn xattrs on.
+/// - `--rlimit-nofile=0`: the limit the shim set is kept (its capability bounding set has no
+///   `CAP_SYS_RESOURCE`).
 ///
 /// What it cannot refuse: `chmod u+s`/`g+s` and set-ID modes at creation (docs/qemu-backend.md).
 pub fn virtiofsd_args(socket: &Path, source: &Path) -> Vec<std::ffi::OsString> {
@@ -205,6 +240,9 @@ pub fn virtiofsd_args(socket: &Path, source: &Path) -> Vec<std::ffi::OsString> {
         args.push("-o".into());
         args.push(opt.into());
     }
+    // The shim sets its file limit (process.rs VIRTIOFSD_MAX_FILES): raising it would need a
+    // capability it does not get.
+    args.push("--rlimit-nofile=0".into());
     args
 }
 
@@ -256,15 +294,26 @@ impl QemuVm {
     fn start_backend(&mut self, cfg: &QemuConfig) -> Result<(), QemuError> {
         let stderr = create_file(&self.paths.backend_stderr)?;
         let mut cmd = Command::new(&cfg.vhost_vsock_binary);
-        cmd.arg("--socket")
-            .arg(&self.paths.vhost_socket)
+        // Its paths relative to the vsock folder, its working directory (entered while still
+        // root): as the jail id it could not pass the shim's root-only folders above it.
+        // Its argv[0] names that folder, so that `ps` (and a search for the pod's processes by
+        // their command line) still tells which VM it serves.
+        let name = |p: &Path| p.file_name().map(PathBuf::from).unwrap_or_default();
+        cmd.arg0(self.paths.vsock_dir.join(name(&cfg.vhost_vsock_binary)))
+            .current_dir(&self.paths.vsock_dir)
+            .arg("--socket")
+            .arg(name(&self.paths.vhost_socket))
             .arg("--uds-path")
-            .arg(&self.paths.vsock_uds)
+            .arg(name(&self.paths.vsock_uds))
             .arg("--guest-cid")
             .arg(cfg.guest_cid.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        self.paths.hand_vsock_dir_to(cfg.jail_id)?;
+        // Before spawn_tied_to_parent's: its parent-death signal must come after the drop to
+        // the jail id, which would clear it.
+        confine_helper(&mut cmd, HelperIds::Jail(cfg.jail_id));
         self.backend = Some(spawn_tied_to_parent(&mut cmd, &cfg.vhost_vsock_binary)?);
         let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
         loop {
@@ -306,6 +355,15 @@ impl QemuVm {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(stderr);
+        // It stays root (serving the guest's files as their owners needs its kept
+        // capabilities) but gets no network, IPC or UTS namespace of the host's.
+        confine_helper(
+            &mut cmd,
+            HelperIds::Root {
+                bounding: process::VIRTIOFSD_BOUNDING,
+                max_files: process::VIRTIOFSD_MAX_FILES,
+            },
+        );
         self.virtiofsd = Some(spawn_tied_to_parent(&mut cmd, &cfg.virtiofsd_binary)?);
         let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
         loop {
@@ -578,6 +636,7 @@ impl Drop for QemuVm {
 mod tests {
     use super::cmdline::{kernel_hz, qemu_opt_escape};
     use super::*;
+    use crate::host_check::KvmKind;
 
     fn cfg_in(dir: &Path) -> QemuConfig {
         let kernel = dir.join("k");
@@ -609,7 +668,7 @@ mod tests {
             (KvmKind::Unknown, Accel::Tcg),
             (KvmKind::None, Accel::Tcg),
         ] {
-            assert_eq!(Accel::for_kvm_kind(kind), want, "{kind}");
+            assert_eq!(crate::host_check::qemu_accel_for(kind), want, "{kind}");
         }
         assert_eq!(Accel::Tcg.resolve(), Accel::Tcg);
         assert_eq!(Accel::Kvm.resolve(), Accel::Kvm);
@@ -842,8 +901,9 @@ mod tests {
             .map(|a| a.into_string().unwrap())
             .collect();
         assert_eq!(args[0], "--socket-path=/w/fs.sock");
+        assert_eq!(args.last().unwrap(), "--rlimit-nofile=0", "{args:?}");
         // Every option is its own `-o <opt>` pair.
-        let opts: Vec<&str> = args[1..]
+        let opts: Vec<&str> = args[1..args.len() - 1]
             .chunks(2)
             .map(|pair| {
                 assert_eq!(pair[0], "-o", "{args:?}");
@@ -882,5 +942,70 @@ mod tests {
         assert!(err.contains("/nonexistent/virtiofsd"), "{err}");
         assert!(!dir.join("w").exists());
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// The status lines of `cat /proc/self/status` run as a confined helper.
+    fn confined_status(ids: HelperIds) -> String {
+        let mut cmd = Command::new("cat");
+        cmd.arg("/proc/self/status").stderr(Stdio::piped());
+        confine_helper(&mut cmd, ids);
+        let out = cmd.output().expect("spawning cat");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    fn status_field<'a>(status: &'a str, name: &str) -> &'a str {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+            .unwrap()
+    }
+
+    #[test]
+    fn jail_ids_are_the_base_plus_the_pid_and_never_root_or_minus_one() {
+        let pid = std::process::id();
+        assert_eq!(jail_id(5), Some(5 + pid));
+        assert_eq!(jail_id(0), None);
+        assert_eq!(jail_id(u32::MAX - JAIL_ID_RANGE), None);
+        assert_eq!(
+            jail_id(u32::MAX - JAIL_ID_RANGE - 1),
+            Some(u32::MAX - JAIL_ID_RANGE - 1 + pid)
+        );
+        let mut cfg = QemuConfig::new("/k", "/i", "/v", "/w");
+        assert_eq!(cfg.jail_id, DEFAULT_JAIL_ID_BASE + pid);
+        cfg.jail_id = 0;
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("jail_id"), "{e}");
+    }
+
+    #[test]
+    fn helpers_run_confined_as_asked() {
+        if !rustix::process::geteuid().is_root() {
+            // Needs root to change ids: tests/tests/cri_microvm_qemu_jail.rs checks the real
+            // helpers of a pod.
+            panic!("this test needs root");
+        }
+        let s = confined_status(HelperIds::Jail(2_000_000_123));
+        let ids = "2000000123\t2000000123\t2000000123\t2000000123";
+        assert_eq!(status_field(&s, "Uid"), ids);
+        assert_eq!(status_field(&s, "Gid"), ids);
+        assert_eq!(status_field(&s, "Groups"), "");
+        assert_eq!(status_field(&s, "CapEff"), "0000000000000000");
+        assert_eq!(status_field(&s, "NoNewPrivs"), "1");
+        let s = confined_status(HelperIds::Root {
+            bounding: process::VIRTIOFSD_BOUNDING,
+            max_files: 4096,
+        });
+        assert_eq!(status_field(&s, "Uid"), "0\t0\t0\t0");
+        assert_eq!(
+            u64::from_str_radix(status_field(&s, "CapBnd"), 16).unwrap(),
+            process::VIRTIOFSD_BOUNDING
+        );
+        assert_eq!(
+            u64::from_str_radix(status_field(&s, "CapEff"), 16).unwrap(),
+            process::VIRTIOFSD_BOUNDING
+        );
+        assert_eq!(status_field(&s, "NoNewPrivs"), "1");
     }
 }

@@ -38,6 +38,11 @@ pub(super) struct VmPaths {
     pub(super) backend_stderr: PathBuf,
     pub(super) virtiofsd_stderr: PathBuf,
     pub(super) console_log: PathBuf,
+    /// The folder of the two vsock sockets and the caller's `<uds>_<port>` listeners, handed to
+    /// the VM's jail id ([`super::vsock_uds_in`]).
+    pub(super) vsock_dir: PathBuf,
+    /// QEMU's chroot: an empty, root-owned, read-only folder.
+    pub(super) jail_root: PathBuf,
     /// Whether `console_log` is ours to remove.
     pub(super) console_is_ours: bool,
     pub(super) work_dir: PathBuf,
@@ -53,9 +58,14 @@ impl VmPaths {
             source,
         })?;
         let console_is_ours = cfg.console_log.is_none();
+        let vsock_uds = super::vsock_uds_in(&cfg.work_dir);
+        let vsock_dir = vsock_uds
+            .parent()
+            .expect("vsock_uds_in names a file in a folder")
+            .to_path_buf();
         let paths = VmPaths {
-            vhost_socket: cfg.work_dir.join("vhost-user-vsock.sock"),
-            vsock_uds: cfg.work_dir.join("vsock.sock"),
+            vhost_socket: vsock_dir.join("vhost-user.sock"),
+            vsock_uds,
             virtiofs_socket: cfg.work_dir.join("virtiofsd.sock"),
             qemu_stderr: cfg.work_dir.join("qemu.stderr"),
             backend_stderr: cfg.work_dir.join("vhost-device-vsock.stderr"),
@@ -65,6 +75,8 @@ impl VmPaths {
                 .clone()
                 .unwrap_or_else(|| cfg.work_dir.join("console.log")),
             console_is_ours,
+            jail_root: cfg.work_dir.join("qemu-root"),
+            vsock_dir,
             work_dir: cfg.work_dir.clone(),
             work_dir_is_ours,
         };
@@ -90,7 +102,87 @@ impl VmPaths {
         ] {
             let _ = fs::remove_file(stale);
         }
+        if let Err(e) = paths.make_folders() {
+            paths.remove_all();
+            return Err(e);
+        }
         Ok(paths)
+    }
+
+    /// The vsock folder (root's until [`VmPaths::hand_vsock_dir_to`]) and QEMU's empty chroot
+    /// (0555, root's: QEMU, once it is the jail id, can neither write nor leave it).
+    fn make_folders(&self) -> Result<(), QemuError> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        let create = |path: &Path, mode: u32| -> Result<(), QemuError> {
+            let err = |source| QemuError::CreateFile {
+                path: path.to_path_buf(),
+                source,
+            };
+            match fs::DirBuilder::new().mode(mode).create(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(err(e)),
+            }
+            // The work dir is root's and nobody else's: these are the folders just made (or a
+            // dead VM's of this work dir), never a link.
+            let meta = fs::symlink_metadata(path).map_err(err)?;
+            if !meta.is_dir() {
+                return Err(err(io::Error::other("not a folder")));
+            }
+            fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(err)
+        };
+        create(&self.vsock_dir, 0o700)?;
+        create(&self.jail_root, 0o555)?;
+        if fs::read_dir(&self.jail_root)
+            .map_err(|source| QemuError::CreateFile {
+                path: self.jail_root.clone(),
+                source,
+            })?
+            .next()
+            .is_some()
+        {
+            return Err(QemuError::CreateFile {
+                path: self.jail_root.clone(),
+                source: io::Error::other("QEMU's chroot must be empty"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Gives the vsock folder, and the listeners the caller bound in it, to the VM's jail id
+    /// (vhost-device-vsock binds its sockets there and connects to the listeners). Nothing of
+    /// that id runs yet; entries are changed without following links.
+    pub(super) fn hand_vsock_dir_to(&self, id: u32) -> Result<(), QemuError> {
+        use rustix::fs::{chownat, AtFlags, Gid, Uid};
+        let err = |path: &Path, source: io::Error| QemuError::Jail {
+            path: path.to_path_buf(),
+            id,
+            source,
+        };
+        let dir = rustix::fs::open(
+            &self.vsock_dir,
+            rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::NOFOLLOW
+                | rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .map_err(|e| err(&self.vsock_dir, e.into()))?;
+        let owner = (Some(Uid::from_raw(id)), Some(Gid::from_raw(id)));
+        rustix::fs::fchown(&dir, owner.0, owner.1).map_err(|e| err(&self.vsock_dir, e.into()))?;
+        let entries = fs::read_dir(&self.vsock_dir).map_err(|e| err(&self.vsock_dir, e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| err(&self.vsock_dir, e))?;
+            chownat(
+                &dir,
+                entry.file_name().as_os_str(),
+                owner.0,
+                owner.1,
+                AtFlags::SYMLINK_NOFOLLOW,
+            )
+            .map_err(|e| err(&entry.path(), e.into()))?;
+        }
+        Ok(())
     }
 
     /// Removes the sockets (once the VM has ended nobody can use them).
@@ -118,6 +210,9 @@ impl VmPaths {
         for f in files {
             let _ = fs::remove_file(f);
         }
+        // Only when empty: a listener of the caller's may still be there (it removes it).
+        let _ = fs::remove_dir(&self.vsock_dir);
+        let _ = fs::remove_dir(&self.jail_root);
         if self.work_dir_is_ours {
             // Only succeeds when empty: files others put there are never removed.
             let _ = fs::remove_dir(&self.work_dir);
@@ -269,6 +364,113 @@ pub(super) fn pass_fds(cmd: &mut Command, nics: &[QemuNic], disks: &[QemuDisk], 
                 if libc::dup2(*tmp, *target) < 0 {
                     return Err(io::Error::last_os_error());
                 }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Who a helper process runs as.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum HelperIds {
+    /// Root (virtiofsd, which drops capabilities itself), with a capability bounding set of
+    /// only these (bit n: capability n) and at most this many files (`RLIMIT_NOFILE`, never
+    /// above the shim's own hard limit).
+    Root { bounding: u64, max_files: u64 },
+    /// The VM's jail id as uid, gid and only group: no capability left.
+    Jail(u32),
+}
+
+/// The capabilities virtiofsd may ever hold: what it keeps to serve the guest's files
+/// (`chown`, `dac_override`, `fowner`, `setgid`, `setuid`: [`super::VIRTIOFSD_MODCAPS`]) and
+/// what it uses once at its start (`sys_chroot` for `sandbox=chroot`, `setpcap` for applying
+/// its capability sets). Its threads made before it loads its seccomp filter and drops its
+/// capabilities keep these (docs/security.md).
+pub(super) const VIRTIOFSD_BOUNDING: u64 = {
+    // linux/capability.h
+    const CHOWN: u32 = 0;
+    const DAC_OVERRIDE: u32 = 1;
+    const FOWNER: u32 = 3;
+    const SETGID: u32 = 6;
+    const SETUID: u32 = 7;
+    const SETPCAP: u32 = 8;
+    const SYS_CHROOT: u32 = 18;
+    (1 << CHOWN)
+        | (1 << DAC_OVERRIDE)
+        | (1 << FOWNER)
+        | (1 << SETGID)
+        | (1 << SETUID)
+        | (1 << SETPCAP)
+        | (1 << SYS_CHROOT)
+};
+
+/// virtiofsd's `RLIMIT_NOFILE` at most: what it used to raise its own limit to (it holds a
+/// file per inode the guest looks up); the shim sets it (within its own hard limit) so that
+/// virtiofsd needs no `CAP_SYS_RESOURCE`.
+pub(super) const VIRTIOFSD_MAX_FILES: u64 = 1_000_000;
+
+/// Confines a helper of the VM before it runs: new network, IPC and UTS namespaces (it needs
+/// none of the host's: its sockets are Unix sockets by path), the jail id or a capability
+/// bounding set and file limit ([`HelperIds`]), and `no_new_privs`. Register it before [`spawn_tied_to_parent`]'s hook: a change of uid clears
+/// the parent-death signal, so that must be set after.
+pub(super) fn confine_helper(cmd: &mut Command, ids: HelperIds) {
+    // The file limit is only ever lowered (raising it past the shim's own hard limit may be
+    // refused, e.g. under a containerd whose limit is lower): read before the fork.
+    let mut current = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes only into the rlimit we own.
+    let have_limit = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut current) } == 0;
+    // SAFETY: the closure runs in the forked child before exec and makes only raw system calls
+    // (unshare, setgroups, setresgid, setresuid, setrlimit, prctl), which are async-signal-safe; it
+    // allocates nothing and takes no lock. The set*id calls are the raw system calls, not
+    // glibc's wrappers, which would try to signal the parent's other threads.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            match ids {
+                HelperIds::Jail(id) => {
+                    let id = id as libc::c_long;
+                    let no_groups = std::ptr::null::<libc::gid_t>();
+                    if libc::syscall(libc::SYS_setgroups, 0 as libc::c_long, no_groups) != 0
+                        || libc::syscall(libc::SYS_setresgid, id, id, id) != 0
+                        || libc::syscall(libc::SYS_setresuid, id, id, id) != 0
+                    {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
+                HelperIds::Root {
+                    bounding,
+                    max_files,
+                } => {
+                    if have_limit {
+                        let files = max_files.min(current.rlim_max);
+                        let limit = libc::rlimit {
+                            rlim_cur: files,
+                            rlim_max: files,
+                        };
+                        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                            return Err(io::Error::last_os_error());
+                        }
+                    }
+                    for cap in 0..64u32 {
+                        if bounding & (1 << cap) != 0 {
+                            continue;
+                        }
+                        // EINVAL: past the kernel's last capability.
+                        if libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) != 0
+                            && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL)
+                        {
+                            return Err(io::Error::last_os_error());
+                        }
+                    }
+                }
+            }
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
             }
             Ok(())
         });

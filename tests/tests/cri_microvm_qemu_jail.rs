@@ -1,0 +1,192 @@
+//! The QEMU backend's processes run confined (docs/security.md, docs/qemu-backend.md), checked on
+//! a running pod through CRI on a private containerd with `hypervisor = "qemu"` (on TCG here,
+//! allowed by the test config). Needs root, Debian's containerd, QEMU, virtiofsd and
+//! vhost-device-vsock, and `make kernel initrd`.
+//!
+//! For every thread of the pod's QEMU: seccomp filter mode (`Seccomp: 2`), `NoNewPrivs: 1`, no
+//! capability, the pod's jail id (`jail_id_base` + the shim's pid) as every uid and gid and its
+//! only group, and a root directory that is the VM's empty `qemu-root`. vhost-device-vsock: the
+//! jail id, no capability, `NoNewPrivs: 1`, and network, IPC and UTS namespaces of its own.
+//! virtiofsd (root: it serves the guest's files as their owners): its own seccomp filter,
+//! `NoNewPrivs: 1`, only the capabilities it keeps, its root the pod's shared folder, and its
+//! own network, IPC and UTS namespaces.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use microvm_tests::microvm_pods::*;
+
+/// `/proc/<pid>/task/<tid>/status` fields of every thread of `pid`.
+fn thread_statuses(pid: i32) -> Vec<(String, String)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    tasks
+        .flatten()
+        .map(|t| {
+            let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+            (t.file_name().to_string_lossy().into_owned(), status)
+        })
+        .collect()
+}
+
+fn field<'a>(status: &'a str, name: &str) -> &'a str {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("no {name} in:\n{status}"))
+}
+
+fn ns(pid: i32, kind: &str) -> PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap()
+}
+
+/// The pod's one process whose program (argv[0]) ends with `what` and whose command line
+/// mentions its state dir.
+fn pod_process(state: &Path, what: &str) -> i32 {
+    let found: Vec<_> = processes_mentioning(&state.display().to_string())
+        .into_iter()
+        .filter(|(_, c)| c.split(' ').next().is_some_and(|p| p.ends_with(what)))
+        .collect();
+    assert_eq!(found.len(), 1, "one {what} of the pod: {found:?}");
+    found[0].0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_backend_runs_qemu_and_its_helpers_confined() {
+    require_root();
+    let dir = tempfile::tempdir().unwrap();
+    // The QEMU backend whatever MICROVM_TEST_HYPERVISOR says: this file is about it.
+    let config = write_config_for(dir.path(), None, "qemu");
+    let (ctrd, cri) = start(&config).await;
+    let pod = run_pod(&ctrd, &cri, "microvm-qemu-jail").await;
+    let state = Path::new(STATE_ROOT).join(&pod.id);
+    let shims = shim_pids(&ctrd, &pod.id);
+    assert_eq!(shims.len(), 1, "{shims:?}");
+    let jail = shim::vm::qemu::DEFAULT_JAIL_ID_BASE + shims[0] as u32;
+    let jail_ids = format!("{jail}\t{jail}\t{jail}\t{jail}");
+
+    // QEMU: every thread filtered, unprivileged, in its empty chroot.
+    let qemu = pod_process(&state, "qemu-system-x86_64");
+    let threads = thread_statuses(qemu);
+    assert!(
+        threads.len() > 1,
+        "QEMU has its vCPU and I/O threads: {threads:?}"
+    );
+    for (tid, s) in &threads {
+        assert_eq!(field(s, "Seccomp"), "2", "QEMU thread {tid}:\n{s}");
+        assert_eq!(field(s, "NoNewPrivs"), "1", "QEMU thread {tid}");
+        assert_eq!(field(s, "Uid"), jail_ids, "QEMU thread {tid}");
+        assert_eq!(field(s, "Gid"), jail_ids, "QEMU thread {tid}");
+        assert_eq!(field(s, "Groups"), jail.to_string(), "QEMU thread {tid}");
+        assert_eq!(field(s, "CapEff"), "0000000000000000", "QEMU thread {tid}");
+        assert_eq!(field(s, "CapPrm"), "0000000000000000", "QEMU thread {tid}");
+    }
+    let root = std::fs::read_link(format!("/proc/{qemu}/root")).unwrap();
+    assert!(
+        root.starts_with(&state) && root.ends_with("qemu-root"),
+        "QEMU's root is {}",
+        root.display()
+    );
+    let entries: Vec<_> = std::fs::read_dir(&root).unwrap().flatten().collect();
+    assert!(entries.is_empty(), "QEMU's root holds {entries:?}");
+    let meta = std::fs::metadata(&root).unwrap();
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    assert_eq!((meta.uid(), meta.permissions().mode() & 0o7777), (0, 0o555));
+    let cwd = std::fs::read_link(format!("/proc/{qemu}/cwd")).unwrap();
+    assert_eq!(cwd, root, "QEMU's working directory is its root");
+
+    // vhost-device-vsock: the jail id from its start, no host network.
+    let vsock = pod_process(&state, "vhost-device-vsock");
+    for (tid, s) in thread_statuses(vsock) {
+        assert_eq!(
+            field(&s, "Uid"),
+            jail_ids,
+            "vhost-device-vsock thread {tid}"
+        );
+        assert_eq!(
+            field(&s, "Gid"),
+            jail_ids,
+            "vhost-device-vsock thread {tid}"
+        );
+        assert_eq!(field(&s, "CapEff"), "0000000000000000", "thread {tid}");
+        assert_eq!(
+            field(&s, "NoNewPrivs"),
+            "1",
+            "vhost-device-vsock thread {tid}"
+        );
+    }
+
+    // virtiofsd: root, but filtered, with the capabilities it keeps, in the share. The thread
+    // it has before it loads its filter (QEMU's RCU thread of its utility library) stays
+    // unfiltered: it holds no more than the bounding set the shim gave (docs/security.md).
+    let virtiofsd = pod_process(&state, "virtiofsd");
+    // CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_SETGID, CAP_SETUID.
+    let kept: u64 = (1 << 0) | (1 << 1) | (1 << 3) | (1 << 6) | (1 << 7);
+    // And CAP_SETPCAP, CAP_SYS_CHROOT, used at its start.
+    let bounding: u64 = kept | (1 << 8) | (1 << 18);
+    let mut filtered = 0;
+    for (tid, s) in thread_statuses(virtiofsd) {
+        let line = format!(
+            "virtiofsd thread {tid}: Seccomp {} NoNewPrivs {} CapEff {} CapBnd {}",
+            field(&s, "Seccomp"),
+            field(&s, "NoNewPrivs"),
+            field(&s, "CapEff"),
+            field(&s, "CapBnd")
+        );
+        eprintln!("{line}");
+        assert_eq!(field(&s, "NoNewPrivs"), "1", "{line}");
+        // Within the shim's bounding set (virtiofsd empties it further on its own threads).
+        let bnd = u64::from_str_radix(field(&s, "CapBnd"), 16).unwrap();
+        assert_eq!(bnd & !bounding, 0, "{line}");
+        let eff = u64::from_str_radix(field(&s, "CapEff"), 16).unwrap();
+        if field(&s, "Seccomp") == "2" {
+            filtered += 1;
+            assert_eq!(eff & !kept, 0, "{line}");
+        } else {
+            assert_eq!(eff & !bounding, 0, "{line}");
+        }
+    }
+    assert!(filtered >= 2, "virtiofsd's serving threads are filtered");
+    // Its file limit: at most 1000000, soft and hard alike.
+    let limits = std::fs::read_to_string(format!("/proc/{virtiofsd}/limits")).unwrap();
+    let files: Vec<u64> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .skip(3)
+        .take(2)
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert!(
+        files.len() == 2 && files[0] == files[1] && files[0] <= 1_000_000,
+        "{limits}"
+    );
+    let vroot = std::fs::read_link(format!("/proc/{virtiofsd}/root")).unwrap();
+    assert_eq!(
+        vroot,
+        state.join("shared"),
+        "virtiofsd's root is the pod's share"
+    );
+
+    for pid in [vsock, virtiofsd] {
+        for kind in ["net", "ipc", "uts"] {
+            assert_ne!(
+                ns(pid, kind),
+                ns(std::process::id() as i32, kind),
+                "process {pid} is in the host's {kind} namespace"
+            );
+        }
+    }
+    eprintln!(
+        "pod {}: QEMU {qemu} ({} threads, uid {jail}, root {}), vhost-device-vsock {vsock}, \
+         virtiofsd {virtiofsd} (root {})",
+        pod.id,
+        threads.len(),
+        root.display(),
+        vroot.display()
+    );
+
+    remove_pod(&ctrd, &cri, &pod).await;
+    assert_pod_gone(&ctrd, &pod.id, Duration::from_secs(30));
+}
