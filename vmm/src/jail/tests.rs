@@ -330,9 +330,12 @@ fn signals_go_only_to_this_process() {
     };
     assert_eq!(in_child(&f, || tgkill(pid)), Outcome::Exited(0));
     // To any other process (here the child itself, which the filter does not name): killed.
-    // SAFETY: getpid has no arguments.
     assert_eq!(
-        in_child(&f, || tgkill(unsafe { libc::getpid() }.into())),
+        in_child(&f, || {
+            // SAFETY: getpid has no arguments.
+            let me = unsafe { libc::getpid() };
+            tgkill(me.into())
+        }),
         KILLED
     );
     // kill(2) is no role's.
