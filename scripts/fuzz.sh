@@ -13,7 +13,7 @@
 #   FUZZ_TIMEOUT    seconds one input may take before it counts as a hang (default 10)
 #   FUZZ_RSS_MB     memory limit of a target process (default 2048)
 #   FUZZ_SANITIZER  none (default) or address (AddressSanitizer: needs nightly features, so it
-#                   sets RUSTC_BOOTSTRAP=1 for the build; twice as slow)
+#                   sets RUSTC_BOOTSTRAP=1 for the build; each execution slower)
 #   FUZZ_TARGET_DIR where the targets are built (default fuzz/target)
 #   FUZZ_CODEGEN_UNITS  codegen units of the build (default 1: slower to build, faster to run)
 #   FUZZ_BUILD      1 (default) builds the targets first; 0 runs those already in FUZZ_TARGET_DIR
