@@ -609,3 +609,76 @@ fn linux_guest_without_page_sharing_refuses_the_pass() {
     handle.stop();
     handle.wait().expect("the VM ends cleanly");
 }
+
+/// The guest's local APIC timer runs in TSC-deadline mode (vmm/src/cpuid.rs offers it where the
+/// host's KVM emulates it, as x86 KVM does everywhere since Linux 3.x): the kernel says it found it, lists the flag, and every CPU's clock
+/// event device is `lapic-deadline`. So it skips the boot-time calibration of the APIC timer, the
+/// loop in which a guest of the nested lane once spun for minutes (docs/nested-lane.md). Prints
+/// how long the boot took (start to `/init`'s first line), for comparing.
+#[test]
+#[ignore = "needs a host whose KVM boots a Linux guest; make test runs it where check-host says so"]
+fn linux_guest_uses_the_tsc_deadline_timer() {
+    let (kernel, _initrd) = artifacts_or_fail();
+    let initrd = busybox_initrd(
+        "#!/bin/busybox sh\n\
+         B=/bin/busybox\n\
+         $B echo tscdl-test: init at $($B cat /proc/uptime 2>/dev/null)\n\
+         $B mount -t proc proc /proc\n\
+         $B mkdir /sys\n\
+         $B mount -t sysfs sysfs /sys\n\
+         $B echo tscdl-test: uptime $($B cut -d' ' -f1 /proc/uptime)\n\
+         $B grep -qw tsc_deadline_timer /proc/cpuinfo && $B echo tscdl-test: flag present\n\
+         for d in /sys/devices/system/clockevents/clockevent*; do \
+           $B echo tscdl-test: $($B basename $d) $($B cat $d/current_device); done\n\
+         $B echo tscdl-test: done\n\
+         exec $B sleep 100000\n",
+    );
+    let console = Console::default();
+    let mut cfg = vmm::VmConfig::new(kernel);
+    cfg.vcpus = 2;
+    cfg.memory_mib = 256;
+    cfg.initrd = Some(initrd.path().to_path_buf());
+    cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
+    cfg.serial = vmm::SerialSink::Writer(Box::new(console.clone()));
+    let started = std::time::Instant::now();
+    let handle = vmm::Vm::start(cfg).expect("the VM starts");
+    wait_for(&console, "tscdl-test: uptime", Duration::from_secs(180));
+    let boot = started.elapsed();
+    wait_for(&console, "tscdl-test: done", Duration::from_secs(60));
+    let text = console.text();
+    let uptime = text
+        .lines()
+        .find_map(|l| l.split("tscdl-test: uptime ").nth(1))
+        .unwrap_or("?")
+        .trim()
+        .to_string();
+    eprintln!(
+        "tsc-deadline guest: /init after {} ms on the host, guest uptime {uptime} s",
+        boot.as_millis()
+    );
+    assert!(
+        text.contains("TSC deadline timer available"),
+        "the kernel did not find the TSC-deadline timer; console:\n{text}"
+    );
+    assert!(
+        text.contains("tscdl-test: flag present"),
+        "no tsc_deadline_timer in the guest's /proc/cpuinfo; console:\n{text}"
+    );
+    let devices: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split("tscdl-test: clockevent").nth(1))
+        .collect();
+    assert_eq!(
+        devices.len(),
+        2,
+        "one clock event device per vCPU; console:\n{text}"
+    );
+    for d in &devices {
+        assert!(
+            d.trim_end().ends_with(" lapic-deadline"),
+            "clockevent{d}: not the TSC-deadline timer; console:\n{text}"
+        );
+    }
+    handle.stop();
+    handle.wait().expect("the VM ends cleanly");
+}

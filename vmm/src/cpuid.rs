@@ -1,6 +1,14 @@
 //! CPUID for each vCPU: what KVM supports, with this vCPU's APIC id and the VM's topology
 //! (every vCPU a core of one socket, one thread per core). The hypervisor leaves
 //! (0x4000_0000.., "KVMKVMKVM") are kept so a Linux guest finds kvm-clock.
+//!
+//! One bit KVM supports but does not report in KVM_GET_SUPPORTED_CPUID: the local APIC timer's
+//! TSC-deadline mode (CPUID.1:ECX bit 24). KVM emulates it wherever it has
+//! KVM_CAP_TSC_DEADLINE_TIMER and leaves offering it to the VMM ([`offer_tsc_deadline`]). A Linux
+//! guest that has it programs its timer by TSC deadline and skips the boot-time calibration of the
+//! APIC timer, a loop that spins (`sti; pause`) until 26 of its timer interrupts have come: on
+//! hardware a few tens of milliseconds, under nested emulation the one place in the guest's boot
+//! that waits for an interrupt without ever exiting to its hypervisor (docs/nested-lane.md).
 
 use kvm_bindings::CpuId;
 
@@ -8,6 +16,7 @@ const LEAF_FEATURES: u32 = 0x1;
 const LEAF_CACHE: u32 = 0x4;
 const LEAF_TOPOLOGY: u32 = 0xb;
 const LEAF_EXT_TOPOLOGY: u32 = 0x1f;
+const ECX_TSC_DEADLINE: u32 = 1 << 24;
 const ECX_HYPERVISOR: u32 = 1 << 31;
 const EDX_HTT: u32 = 1 << 28;
 const TOPOLOGY_LEVEL_THREAD: u32 = 1;
@@ -19,6 +28,21 @@ fn bits_for(n: u32) -> u32 {
         0
     } else {
         32 - (n - 1).leading_zeros()
+    }
+}
+
+/// Sets the TSC-deadline timer bit in leaf 1 when `kvm_emulates_it` (the host's KVM answers
+/// KVM_CAP_TSC_DEADLINE_TIMER), clears it otherwise: `cpuid` is what KVM_GET_SUPPORTED_CPUID
+/// returned, which never sets it.
+pub fn offer_tsc_deadline(cpuid: &mut CpuId, kvm_emulates_it: bool) {
+    for e in cpuid.as_mut_slice() {
+        if e.function == LEAF_FEATURES {
+            if kvm_emulates_it {
+                e.ecx |= ECX_TSC_DEADLINE;
+            } else {
+                e.ecx &= !ECX_TSC_DEADLINE;
+            }
+        }
     }
 }
 
@@ -104,5 +128,29 @@ mod tests {
         assert_eq!(s[3].ebx, 0xffff_ffff, "hypervisor leaf untouched");
         assert_eq!(bits_for(1), 0);
         assert_eq!(bits_for(5), 3);
+    }
+
+    #[test]
+    fn tsc_deadline_offered_only_with_the_capability() {
+        let leaf1 = |c: &CpuId| c.as_slice().iter().find(|e| e.function == 1).unwrap().ecx;
+        let mut c =
+            CpuId::from_entries(&[entry(0, 0), entry(1, 0), entry(0x8000_0001, 0)]).unwrap();
+        offer_tsc_deadline(&mut c, true);
+        assert_ne!(leaf1(&c) & ECX_TSC_DEADLINE, 0);
+        assert_eq!(c.as_slice()[0].ecx, 0, "other leaves untouched");
+        assert_eq!(c.as_slice()[2].ecx, 0, "other leaves untouched");
+        // filter_cpuid keeps it.
+        filter_cpuid(&mut c, 1, 2);
+        assert_ne!(leaf1(&c) & ECX_TSC_DEADLINE, 0);
+        assert_ne!(leaf1(&c) & ECX_HYPERVISOR, 0);
+
+        let mut c = CpuId::from_entries(&[entry(1, 0)]).unwrap();
+        c.as_mut_slice()[0].ecx = ECX_TSC_DEADLINE | 1;
+        offer_tsc_deadline(&mut c, false);
+        assert_eq!(
+            leaf1(&c),
+            1,
+            "without the capability the bit is cleared, nothing else"
+        );
     }
 }

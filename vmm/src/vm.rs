@@ -22,7 +22,7 @@ use vmm_devices::virtio::vsock::Vsock;
 
 use crate::boot::{self, BootError};
 use crate::config::{BlockBacking, BootProtocol, VmConfig};
-use crate::cpuid::filter_cpuid;
+use crate::cpuid::{filter_cpuid, offer_tsc_deadline};
 use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
 use crate::handle::{abort_start, new_running, HandleDevices, Running, Shared, VmHandle};
@@ -211,7 +211,11 @@ impl Vm {
             .map_err(|e| VmmError::Memory(e.to_string()))?;
         write_page_tables(&mem).map_err(|e| VmmError::Memory(e.to_string()))?;
 
-        let cpuid = vm.supported_cpuid()?;
+        let mut cpuid = vm.supported_cpuid()?;
+        offer_tsc_deadline(
+            &mut cpuid,
+            vm.kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer),
+        );
         let vcpu0_cpuid = cpuid.clone();
         let pio = Arc::new(devices.pio.clone());
         let mmio = Arc::new(devices.mmio.clone());
