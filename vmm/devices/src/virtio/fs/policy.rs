@@ -74,9 +74,11 @@
 //! `FUSE_HANDLE_KILLPRIV_V2`, which this device does not enable.
 
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use caps::{CapSet, Capability};
@@ -131,9 +133,12 @@ pub fn mode_allowed(file_type: u32, mode: u32) -> bool {
     mode & libc::S_ISGID == 0 || file_type == libc::S_IFDIR
 }
 
-/// Whether an open with these flags (OPEN, OPENDIR) may go on: it must not create anything.
+/// Whether an open with these flags (OPEN, OPENDIR) may go on: it must not create anything,
+/// and it must not ask for an `O_PATH` descriptor (no FUSE open needs one, and the passthrough's
+/// READ and WRITE would fail on it in a way that closes the handle's descriptor: see
+/// [`HostPolicy`]'s handle flags).
 pub fn open_flags_allowed(flags: u32) -> bool {
-    flags & (libc::O_CREAT as u32 | TMPFILE_BIT) == 0
+    flags & (libc::O_CREAT as u32 | TMPFILE_BIT | libc::O_PATH as u32) == 0
 }
 
 /// Whether an open with these flags can change the file's content.
@@ -201,9 +206,22 @@ pub fn confine_serving_thread() -> Result<(), ConfineError> {
 
 /// A [`FileSystem`] that refuses what would plant privilege on the host (module doc) and
 /// delegates everything else to `F`.
+///
+/// It also keeps the flags each handle was opened with and hands the passthrough those, never
+/// the guest's, on READ and WRITE: fuse-backend-rs applies a READ's or WRITE's flags that
+/// differ from the open's with `fcntl(F_SETFL)` on the handle's descriptor, and when that fails
+/// (`O_DIRECT` where the file system has no direct I/O, `O_APPEND` on an append-only file, any
+/// change on an `O_PATH` descriptor) its early return closes the descriptor while the handle
+/// keeps its number. The next descriptor the process opens (the shim's, since the VMM runs in
+/// it) would then take that number, and the guest's handle would read, write and finally close
+/// it. Found by the `virtio_fs` fuzz target. So the guest's flags on READ and WRITE are not
+/// applied to the host's descriptor: `fcntl(F_SETFL)` in the guest changes its own view only.
 pub struct HostPolicy<F> {
     inner: F,
     refused: AtomicU64,
+    /// The open flags of each handle the guest holds (OPEN, CREATE, OPENDIR until RELEASE,
+    /// RELEASEDIR); one entry per descriptor the passthrough holds for it, so bounded as those.
+    handle_flags: Mutex<HashMap<u64, u32>>,
 }
 
 impl<F> HostPolicy<F>
@@ -215,7 +233,30 @@ where
         Self {
             inner,
             refused: AtomicU64::new(0),
+            handle_flags: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn handles(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u32>> {
+        // A panic while holding the lock leaves a map that is still whole (inserts and
+        // removes only): go on with it.
+        self.handle_flags
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn remember(&self, handle: Option<u64>, flags: u32) {
+        if let Some(h) = handle {
+            self.handles().insert(h, flags);
+        }
+    }
+
+    /// The flags `handle` was opened with; EBADF for a handle the guest does not hold.
+    fn opened_flags(&self, handle: u64) -> io::Result<u32> {
+        self.handles()
+            .get(&handle)
+            .copied()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))
     }
 
     /// Requests refused so far.
@@ -293,7 +334,7 @@ where
         name: &CStr,
         args: CreateIn,
     ) -> io::Result<(Entry, Option<u64>, OpenOptions, Option<u32>)> {
-        if args.mode & SET_ID != 0 || args.flags & TMPFILE_BIT != 0 {
+        if args.mode & SET_ID != 0 || args.flags & (TMPFILE_BIT | libc::O_PATH as u32) != 0 {
             return self.refuse(format_args!(
                 "CREATE {name:?} mode {:#o} flags {:#x}",
                 args.mode, args.flags
@@ -301,6 +342,7 @@ where
         }
         let flags = args.flags;
         let (entry, handle, opts, passthrough) = self.inner.create(ctx, parent, name, args)?;
+        self.remember(handle, flags);
         // Without O_EXCL an existing file is opened (and maybe truncated): it may carry bits.
         if open_can_write(flags) {
             self.kill_after_open(ctx, entry.inode, flags, handle)?;
@@ -372,6 +414,7 @@ where
             return self.refuse(format_args!("OPEN flags {flags:#x}"));
         }
         let (handle, opts, passthrough) = self.inner.open(ctx, inode, flags, fuse_flags)?;
+        self.remember(handle, flags);
         if open_can_write(flags) {
             self.kill_after_open(ctx, inode, flags, handle)?;
         }
@@ -387,7 +430,9 @@ where
         if !open_flags_allowed(flags) {
             return self.refuse(format_args!("OPENDIR flags {flags:#x}"));
         }
-        self.inner.opendir(ctx, inode, flags)
+        let (handle, opts) = self.inner.opendir(ctx, inode, flags)?;
+        self.remember(handle, flags);
+        Ok((handle, opts))
     }
 
     // Everything below is delegated unchanged (each method, so none falls back to the trait's
@@ -398,7 +443,8 @@ where
     }
 
     fn destroy(&self) {
-        self.inner.destroy()
+        self.inner.destroy();
+        self.handles().clear();
     }
 
     fn lookup(&self, ctx: &Context, parent: u64, name: &CStr) -> io::Result<Entry> {
@@ -471,8 +517,9 @@ where
         size: u32,
         offset: u64,
         lock_owner: Option<u64>,
-        flags: u32,
+        _flags: u32,
     ) -> io::Result<usize> {
+        let flags = self.opened_flags(handle)?;
         self.inner
             .read(ctx, inode, handle, w, size, offset, lock_owner, flags)
     }
@@ -488,9 +535,10 @@ where
         offset: u64,
         lock_owner: Option<u64>,
         delayed_write: bool,
-        flags: u32,
+        _flags: u32,
         fuse_flags: u32,
     ) -> io::Result<usize> {
+        let flags = self.opened_flags(handle)?;
         self.inner.write(
             ctx,
             inode,
@@ -537,8 +585,13 @@ where
         flock_release: bool,
         lock_owner: Option<u64>,
     ) -> io::Result<()> {
-        self.inner
-            .release(ctx, inode, flags, handle, flush, flock_release, lock_owner)
+        let released =
+            self.inner
+                .release(ctx, inode, flags, handle, flush, flock_release, lock_owner);
+        if released.is_ok() {
+            self.handles().remove(&handle);
+        }
+        released
     }
 
     fn statfs(&self, ctx: &Context, inode: u64) -> io::Result<statvfs64> {
@@ -594,7 +647,11 @@ where
     }
 
     fn releasedir(&self, ctx: &Context, inode: u64, flags: u32, handle: u64) -> io::Result<()> {
-        self.inner.releasedir(ctx, inode, flags, handle)
+        let released = self.inner.releasedir(ctx, inode, flags, handle);
+        if released.is_ok() {
+            self.handles().remove(&handle);
+        }
+        released
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -1623,3 +1623,97 @@ fn the_serving_thread_gives_up_mknod_setfcap_and_fsetid() {
     assert!(!caps::has_cap(None, CapSet::Effective, Capability::CAP_MKNOD).unwrap());
     assert!(caps::has_cap(None, CapSet::Effective, Capability::CAP_CHOWN).unwrap());
 }
+
+/// READ and WRITE carry the guest's file flags. The passthrough applied flags that differ from
+/// the open's with `fcntl(F_SETFL)` and, when that failed, closed the handle's descriptor while
+/// the handle kept its number (found by the `virtio_fs` fuzz target): the next descriptor the
+/// process opened took that number and the guest's handle reached it. On the code before the
+/// fix the directory handle below is dead after the READ (its READDIR fails with EBADF), and the
+/// `O_PATH` open, the fuzzer's way there, is served.
+#[test]
+fn a_read_or_write_with_other_flags_never_closes_the_handles_descriptor() {
+    let dir = TestDir::new("flags");
+    std::fs::write(dir.shared.join("f"), b"content").unwrap();
+    let mut g = Driver::new(&dir.shared);
+    g.init();
+    let oo: OpenOut = parse(
+        &g.call(Opcode::Opendir, ROOT_ID, OpenIn::default().as_slice(), 4096)
+            .expect("OPENDIR"),
+    );
+    let readdir = |g: &mut Driver| {
+        let ri = ReadIn {
+            fh: oo.fh,
+            size: 4096,
+            ..Default::default()
+        };
+        g.call(
+            Opcode::Readdir,
+            ROOT_ID,
+            ri.as_slice(),
+            4096 + OUT_HDR as u32,
+        )
+    };
+    assert!(!readdir(&mut g).expect("READDIR").is_empty());
+    // O_DIRECT on a directory's descriptor: F_SETFL would fail with EINVAL.
+    let direct = libc::O_DIRECT as u32;
+    let ri = ReadIn {
+        fh: oo.fh,
+        size: 16,
+        flags: direct,
+        ..Default::default()
+    };
+    let _ = g.call(Opcode::Read, ROOT_ID, ri.as_slice(), 16 + OUT_HDR as u32);
+    assert!(
+        readdir(&mut g).is_ok(),
+        "a READ with O_DIRECT closed the directory handle's descriptor"
+    );
+    let wi = WriteIn {
+        fh: oo.fh,
+        size: 1,
+        flags: direct,
+        ..Default::default()
+    };
+    let mut args = wi.as_slice().to_vec();
+    args.push(b'x');
+    let _ = g.call(Opcode::Write, ROOT_ID, &args, 4096);
+    assert!(
+        readdir(&mut g).is_ok(),
+        "a WRITE with O_DIRECT closed the directory handle's descriptor"
+    );
+    // A READ on a handle the guest does not hold is EBADF.
+    let ri = ReadIn {
+        fh: oo.fh + 1000,
+        size: 16,
+        ..Default::default()
+    };
+    assert_eq!(
+        g.call(Opcode::Read, ROOT_ID, ri.as_slice(), 64),
+        Err(libc::EBADF)
+    );
+    // An O_PATH open (no FUSE open needs one; every F_SETFL on it fails) is refused.
+    let e = g.lookup(ROOT_ID, "f").unwrap();
+    assert_eq!(
+        g.open(e.nodeid, (libc::O_RDWR | libc::O_PATH) as u32)
+            .map(|o| o.fh),
+        Err(libc::EPERM)
+    );
+    // A file's handle still reads with whatever flags the READ carries.
+    let o = g.open(e.nodeid, libc::O_RDONLY as u32).unwrap();
+    let ri = ReadIn {
+        fh: o.fh,
+        size: 16,
+        flags: direct | libc::O_NOATIME as u32,
+        ..Default::default()
+    };
+    assert_eq!(
+        g.call(Opcode::Read, e.nodeid, ri.as_slice(), 16 + OUT_HDR as u32)
+            .unwrap(),
+        b"content"
+    );
+    g.release(e.nodeid, o.fh);
+    assert_eq!(
+        g.call(Opcode::Read, e.nodeid, ri.as_slice(), 64),
+        Err(libc::EBADF),
+        "a released handle"
+    );
+}
