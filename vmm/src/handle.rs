@@ -348,6 +348,20 @@ impl VmHandle {
         })
     }
 
+    /// The page sharing filter of this VM (with the jail on and page sharing configured), for
+    /// a thread that serves page sharing passes only: it installs the filter once and then
+    /// calls [`VmHandle::share_pages_on_this_thread`] ([`crate::jail::split`], whose control
+    /// thread is filtered and cannot start the pass thread of [`VmHandle::share_pages`]).
+    pub fn sharing_filter(&self) -> Option<&crate::jail::ThreadFilter> {
+        self.devices.sharing_filter.as_ref()
+    }
+
+    /// One page sharing pass on the calling thread, which has installed
+    /// [`VmHandle::sharing_filter`] (or is the embedder's own).
+    pub fn share_pages_on_this_thread(&self) -> Result<SharingReport, VmmError> {
+        self.sharing_pass()
+    }
+
     fn sharing_pass(&self) -> Result<SharingReport, VmmError> {
         let started = Instant::now();
         let Some(sharing) = self.devices.page_sharing.as_ref() else {
