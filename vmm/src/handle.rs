@@ -143,6 +143,8 @@ pub(crate) struct HandleDevices {
     pub(crate) page_sharing: Option<Mutex<VmSharing>>,
     /// With the jail on: the filter a sharing pass's own thread installs.
     pub(crate) sharing_filter: Option<crate::jail::ThreadFilter>,
+    /// Set by [`VmHandle::keep_devices_after_end`]: the buses stay until the handle drops.
+    pub(crate) keep_buses: std::sync::atomic::AtomicBool,
     /// The port and MMIO buses, which hold every device: their last references, dropped by
     /// teardown after the VM's threads are joined, so that no device is dropped on a confined
     /// thread (a vsock device removes its socket file when dropped).
@@ -450,7 +452,16 @@ impl VmHandle {
         if let Some(r) = lock(&self.running).take() {
             r.teardown(&self.shared);
         }
-        lock(&self.devices.buses).clear();
+        if !self.devices.keep_buses.load(Ordering::SeqCst) {
+            lock(&self.devices.buses).clear();
+        }
+    }
+
+    /// Keeps the devices when the VM is waited for (they go when the handle drops): for an
+    /// embedder whose waiting thread is confined (the VMM process's control thread), since a
+    /// device dropped may touch the host (a vsock device removes its socket file).
+    pub fn keep_devices_after_end(&self) {
+        self.devices.keep_buses.store(true, Ordering::SeqCst);
     }
 
     fn reap(&self) -> Result<VmExit, VmmError> {

@@ -335,6 +335,7 @@ impl Vm {
                 balloon,
                 page_sharing: page_sharing.map(Mutex::new),
                 sharing_filter,
+                keep_buses: std::sync::atomic::AtomicBool::new(false),
                 buses: Mutex::new(buses),
             }),
             boot_time,

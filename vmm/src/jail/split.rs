@@ -776,6 +776,7 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
         Ok(())
     };
     let handle = Vm::start_then(cfg, jail)?;
+    handle.keep_devices_after_end();
     let control = ThreadFilter::new(Role::Control, Needs::default())?;
     std::thread::scope(|scope| -> Result<Never, ServeError> {
         // The page sharing passes run on a thread of their own under their filter: the control
