@@ -18,7 +18,11 @@ fn guest(name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../build/guests")
         .join(format!("{name}.elf"));
-    assert!(p.is_file(), "{} is missing: make -C tests/guests", p.display());
+    assert!(
+        p.is_file(),
+        "{} is missing: make -C tests/guests",
+        p.display()
+    );
     p
 }
 

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use vmm::jail::split::{
-    BlockDescription, NetDescription, PageSharingDescription, SharedFsDescription,
-    VmDescription, VmmProcess, VsockDescription,
+    BlockDescription, NetDescription, PageSharingDescription, SharedFsDescription, VmDescription,
+    VmmProcess, VsockDescription,
 };
 
 use super::{DiskBacking, GuestSpec, GuestVmError, CONSOLE_LOG_BYTES, GUEST_CID};
@@ -81,13 +81,11 @@ pub fn describe(
             .collect(),
         vfio: spec.vfio.clone(),
         balloon: spec.wants_balloon().then_some(true),
-        page_sharing: spec
-            .page_sharing_config()
-            .map(|p| PageSharingDescription {
-                template_dir: p.template_dir,
-                domain: p.domain,
-                capture_kernel_text: p.capture_kernel_text,
-            }),
+        page_sharing: spec.page_sharing_config().map(|p| PageSharingDescription {
+            template_dir: p.template_dir,
+            domain: p.domain,
+            capture_kernel_text: p.capture_kernel_text,
+        }),
     }
 }
 
@@ -100,11 +98,6 @@ pub fn start(
 ) -> Result<VmmProcess, GuestVmError> {
     let exe = std::env::current_exe().map_err(|e| GuestVmError::Process(e.to_string()))?;
     let desc = describe(spec, cmdline, console_log, uds);
-    VmmProcess::spawn(
-        &exe,
-        &desc,
-        Some(vmm::jail::report_fd()),
-        START_TIMEOUT,
-    )
-    .map_err(|e| GuestVmError::Process(e.to_string()))
+    VmmProcess::spawn(&exe, &desc, Some(vmm::jail::report_fd()), START_TIMEOUT)
+        .map_err(|e| GuestVmError::Process(e.to_string()))
 }

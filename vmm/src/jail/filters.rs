@@ -99,7 +99,6 @@ syscalls!(
     SYS_restart_syscall,
     SYS_rt_sigprocmask,
     SYS_rt_sigreturn,
-
     SYS_sched_getaffinity,
     SYS_sched_yield,
     SYS_sendfile,

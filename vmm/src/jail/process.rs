@@ -270,7 +270,10 @@ pub fn pivot_to_root_holding(
         if components.is_empty() || components.len() > 8 || !path.is_absolute() {
             return Err(ProcessJailError::Sys {
                 step: "a tree's place in the new root",
-                source: std::io::Error::other(format!("{} is not a plain absolute path", path.display())),
+                source: std::io::Error::other(format!(
+                    "{} is not a plain absolute path",
+                    path.display()
+                )),
             });
         }
         let mut rel = std::path::PathBuf::new();

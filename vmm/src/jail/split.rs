@@ -42,7 +42,7 @@ use crate::page_sharing::PageSharingConfig;
 use crate::{Vm, VmExit, VmHandle, VmmError};
 
 /// The hidden first argument of the embedder's binary that runs [`serve`]:
-/// `<binary> __vmm <channel descriptor>`.
+/// `<binary> __vmm <channel descriptor> <work folder>` (the folder only names the VM in `ps`).
 pub const SUBCOMMAND: &str = "__vmm";
 
 /// The folder of the VM's work folder the VMM process mounts its empty root on (in its own
@@ -284,6 +284,8 @@ impl VmmProcess {
             exe_c.clone(),
             cstr(SUBCOMMAND.as_bytes())?,
             cstr(theirs.as_fd().as_raw_fd().to_string().as_bytes())?,
+            // Not read: names the VM (its work folder) for ps and for leak checks.
+            cstr(desc.work_dir.as_os_str().as_bytes())?,
         ];
         let env: Vec<CString> = std::env::vars_os()
             .filter_map(|(k, v)| {
@@ -663,8 +665,8 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
         (Message::Start { description }, _) => description,
         _ => return Err(ServeError::NoStart),
     };
-    let desc: VmDescription = serde_json::from_str(&description)
-        .map_err(|e| ServeError::Description(e.to_string()))?;
+    let desc: VmDescription =
+        serde_json::from_str(&description).map_err(|e| ServeError::Description(e.to_string()))?;
     // Only what the description names stays open.
     let mut keep = desc.fds();
     keep.push(channel_fd);
@@ -763,8 +765,7 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
     }
     let jail = || -> Result<(), VmmError> {
         enter_namespaces()?;
-        let mounts: Vec<(&Path, &OwnedFd)> =
-            trees.iter().map(|(p, t)| (p.as_path(), t)).collect();
+        let mounts: Vec<(&Path, &OwnedFd)> = trees.iter().map(|(p, t)| (p.as_path(), t)).collect();
         pivot_to_root_holding(&mount_point, &mounts)?;
         set_limits(&limits)?;
         keep_capabilities(if serves_fs {
@@ -804,7 +805,10 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
     })
 }
 
-fn share_thread(handle: &VmHandle, requests: mpsc::Receiver<(ShareRequest, mpsc::Sender<Message>)>) {
+fn share_thread(
+    handle: &VmHandle,
+    requests: mpsc::Receiver<(ShareRequest, mpsc::Sender<Message>)>,
+) {
     if let Some(filter) = handle.sharing_filter() {
         if let Err(e) = filter.install() {
             log::error!("vmm: the page sharing thread's filter: {e}");
