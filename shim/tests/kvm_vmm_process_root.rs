@@ -240,3 +240,73 @@ fn a_guest_that_resets_ends_its_vmm_process_with_the_reset_and_a_triple_fault_wi
         }
     }
 }
+
+fn rollup(pid: &str, key: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    field(&text, key)
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// What the split costs (printed; performance is not asserted): the time from the start to a
+/// running VM, in a VMM process and in this process, and the VMM process's memory with an idle
+/// guest. `cargo test --release -p shim --test kvm_vmm_process_root what_the_split_costs --
+/// --nocapture`.
+#[test]
+fn what_the_split_costs() {
+    const N: u32 = 10;
+    let mut in_process = Duration::ZERO;
+    let mut split = Duration::ZERO;
+    let mut pss = Vec::new();
+    let mut rss = Vec::new();
+    for _ in 0..N {
+        let work = tempfile::tempdir().unwrap();
+        let desc = description(work.path(), None);
+        let mut cfg = vmm::VmConfig::new(&desc.kernel);
+        cfg.vcpus = desc.vcpus;
+        cfg.memory_mib = desc.memory_mib;
+        cfg.serial = vmm::SerialSink::File {
+            path: desc.console_log.clone(),
+            max_bytes: desc.console_log_bytes,
+        };
+        cfg.vsock = Some(vmm::VsockConfig {
+            guest_cid: 3,
+            uds_path: work.path().join("vsock.sock"),
+        });
+        for b in &desc.blocks {
+            cfg.blocks.push(vmm::BlockConfig {
+                serial: b.serial.clone(),
+                backing: vmm::BlockBacking::Empty { read_only: false },
+            });
+        }
+        let t = Instant::now();
+        let h = vmm::Vm::start(cfg).unwrap();
+        in_process += t.elapsed();
+        wait_for_console(&desc.console_log, "halting forever");
+        h.stop();
+        h.wait().unwrap();
+
+        let work = tempfile::tempdir().unwrap();
+        let desc = description(work.path(), None);
+        let t = Instant::now();
+        let mut p = VmmProcess::spawn(exe(), &desc, None, Duration::from_secs(30)).unwrap();
+        split += t.elapsed();
+        wait_for_console(&desc.console_log, "halting forever");
+        let pid = p.pid().to_string();
+        pss.push(rollup(&pid, "Pss:"));
+        rss.push(rollup(&pid, "Rss:"));
+        assert_eq!(p.stop(Duration::from_secs(10)).exit, Ok(0));
+    }
+    let mean = |v: &[u64]| v.iter().sum::<u64>() / v.len() as u64;
+    eprintln!(
+        "start to a running VM, mean of {N}: in this process {:?}, in a VMM process {:?} \
+         (+{:?}); the VMM process of an idle 64 MiB guest: Pss {} kB, Rss {} kB (means)",
+        in_process / N,
+        split / N,
+        (split / N).saturating_sub(in_process / N),
+        mean(&pss),
+        mean(&rss)
+    );
+}
