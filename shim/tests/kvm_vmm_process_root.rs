@@ -310,3 +310,44 @@ fn what_the_split_costs() {
         mean(&rss)
     );
 }
+
+#[test]
+fn with_a_share_the_vmm_process_keeps_the_file_servers_five_capabilities_and_a_proc_of_its_own() {
+    let work = tempfile::tempdir().unwrap();
+    let share = tempfile::tempdir().unwrap();
+    let mut desc = description(work.path(), None);
+    desc.shared_fs = Some(vmm::jail::split::SharedFsDescription {
+        tag: "share".into(),
+        host_dir: share.path().to_path_buf(),
+    });
+    let mut vmm = VmmProcess::spawn(exe(), &desc, None, Duration::from_secs(30)).unwrap();
+    wait_for_console(&desc.console_log, "halting forever");
+    let pid = vmm.pid().to_string();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let status = std::fs::read_to_string(entry.unwrap().path().join("status")).unwrap();
+        assert_eq!(field(&status, "Seccomp:"), "2");
+        // CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_SETGID, CAP_SETUID.
+        assert_eq!(field(&status, "CapEff:"), "00000000000000cb");
+        assert_eq!(field(&status, "CapBnd:"), "00000000000000cb");
+    }
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let mut top: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    top.sort();
+    assert_eq!(top, ["proc", "tmp"], "the VMM's root");
+    // Its /proc shows its own PID namespace's tasks only, and no host-wide file.
+    let procs: Vec<String> = std::fs::read_dir(root.join("proc"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(procs.contains(&"1".to_string()), "{procs:?}");
+    for host in ["sys", "sysrq-trigger", "kcore", "2"] {
+        assert!(
+            !procs.contains(&host.to_string()),
+            "/proc/{host}: {procs:?}"
+        );
+    }
+    assert_eq!(vmm.stop(Duration::from_secs(10)).exit, Ok(0));
+}

@@ -238,6 +238,7 @@ pub fn detached_tree(path: &Path) -> Result<OwnedFd, ProcessJailError> {
 pub fn pivot_to_root_holding(
     mount_point: &Path,
     mounts: &[(&Path, &OwnedFd)],
+    with_proc: bool,
 ) -> Result<(), ProcessJailError> {
     mount(
         "none",
@@ -292,6 +293,23 @@ pub fn pivot_to_root_holding(
             MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
         )
         .map_err(sys("mounting a tree in the new root"))?;
+    }
+    if with_proc {
+        // The process's own tasks only (`subset=pid`: no /proc/sys, no sysrq-trigger, no
+        // host-wide files), of its own PID namespace: the virtio-fs server reaches the share
+        // through /proc/self/fd.
+        rustix::fs::mkdirat(&root, "proc", Mode::from_raw_mode(0o555))
+            .map_err(sys("making /proc in the new root"))?;
+        let mut target = mount_point.to_path_buf();
+        target.push("proc");
+        mount(
+            "proc",
+            &target,
+            "proc",
+            MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+            c"subset=pid",
+        )
+        .map_err(sys("mounting /proc (subset=pid) in the new root"))?;
     }
     drop(root);
     rustix::process::chdir(mount_point).map_err(sys("entering the empty root"))?;

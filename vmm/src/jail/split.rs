@@ -690,10 +690,32 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
         guest_cid: v.guest_cid,
         uds_path: v.uds_path.clone(),
     });
-    cfg.shared_fs = desc.shared_fs.as_ref().map(|s| SharedFsConfig {
-        tag: s.tag.clone(),
-        host_dir: s.host_dir.clone(),
-    });
+    // The share is served from a descriptor of the host's mount of it, opened here, reached
+    // through /proc/self/fd (a procfs of this process's own is mounted in the new root): the
+    // shim mounts containers' files under the share later, and only the host's mount (a private
+    // one) sees them (docs/security.md says what this leaves open).
+    let share_fd = match &desc.shared_fs {
+        Some(s) => Some(
+            rustix::fs::open(
+                &s.host_dir,
+                rustix::fs::OFlags::RDONLY
+                    | rustix::fs::OFlags::DIRECTORY
+                    | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )
+            .map_err(|e| {
+                ServeError::Description(format!("the share {}: {e}", s.host_dir.display()))
+            })?,
+        ),
+        None => None,
+    };
+    cfg.shared_fs = match (&desc.shared_fs, &share_fd) {
+        (Some(s), Some(fd)) => Some(SharedFsConfig {
+            tag: s.tag.clone(),
+            host_dir: PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())),
+        }),
+        _ => None,
+    };
     for n in &desc.nets {
         cfg.nets.push(NetConfig {
             tap: take_fd(n.fd, channel_fd, &mut taken)?,
@@ -766,7 +788,7 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
     let jail = || -> Result<(), VmmError> {
         enter_namespaces()?;
         let mounts: Vec<(&Path, &OwnedFd)> = trees.iter().map(|(p, t)| (p.as_path(), t)).collect();
-        pivot_to_root_holding(&mount_point, &mounts)?;
+        pivot_to_root_holding(&mount_point, &mounts, serves_fs)?;
         set_limits(&limits)?;
         keep_capabilities(if serves_fs {
             &FS_SERVER_CAPABILITIES
@@ -778,6 +800,8 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
     };
     let handle = Vm::start_then(cfg, jail)?;
     handle.keep_devices_after_end();
+    // Served through /proc/self/fd/<n> for as long as the process lives.
+    std::mem::forget(share_fd);
     let control = ThreadFilter::new(Role::Control, Needs::default())?;
     std::thread::scope(|scope| -> Result<Never, ServeError> {
         // The page sharing passes run on a thread of their own under their filter: the control
