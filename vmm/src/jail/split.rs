@@ -712,7 +712,10 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
     cfg.shared_fs = match (&desc.shared_fs, &share_fd) {
         (Some(s), Some(fd)) => Some(SharedFsConfig {
             tag: s.tag.clone(),
-            host_dir: PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())),
+            // `/.`: the magic link is followed as a directory on the way; the passthrough opens
+            // its root with O_NOFOLLOW, which on the link itself would open the link (the
+            // guest then saw a root that is a symlink, and EIO below it).
+            host_dir: PathBuf::from(format!("/proc/self/fd/{}/.", fd.as_raw_fd())),
         }),
         _ => None,
     };
