@@ -141,16 +141,24 @@ fn write_config_with(
         );
     }
     let path = dir.join("microvm.toml");
+    // MICROVM_TEST_VMM_PROCESS=1 runs each pod's embedded VMM in a process of its own
+    // (`vmm_process = true`, docs/security.md), for lane runs of the pod suites with the split.
+    let vmm_process = std::env::var("MICROVM_TEST_VMM_PROCESS").is_ok_and(|v| v == "1");
     // MICROVM_TEST_LOG_LEVEL=debug turns on the shim's and the guest agent's debug lines.
     let log_level = std::env::var("MICROVM_TEST_LOG_LEVEL").unwrap_or_else(|_| "info".into());
     std::fs::write(
         &path,
         format!(
-            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n{}",
+            "hypervisor = \"{hypervisor}\"\nkernel = \"{}\"\ninitrd = \"{}\"\nlog_level = \"{log_level}\"\n{}{}",
             kernel.display(),
             initrd.display(),
             if allow_software_emulation {
                 "allow_software_emulation = true\n"
+            } else {
+                ""
+            },
+            if vmm_process {
+                "vmm_process = true\n"
             } else {
                 ""
             }
@@ -221,6 +229,36 @@ pub fn shim_pids(ctrd: &PrivateContainerd, pod_id: &str) -> Vec<i32> {
         .filter(|(_, c)| c.contains(SHIM) && c.contains(pod_id))
         .map(|(pid, _)| pid)
         .collect()
+}
+
+/// The processes that run a pod's VM memory: the shim, and its embedded VMM's process when
+/// the VMM runs in one (`vmm_process = true`: the shim's child `containerd-shim-microvm-v1
+/// __vmm ...`).
+pub fn vm_memory_pids(shim_pid: i32) -> Vec<i32> {
+    let mut pids = vec![shim_pid];
+    pids.extend(vmm_process_pids(shim_pid));
+    pids
+}
+
+/// The shim's children that are its embedded VMM's processes (`__vmm`).
+pub fn vmm_process_pids(shim_pid: i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{shim_pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        for pid in children
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if cmd.split(|&b| b == 0).nth(1) == Some(b"__vmm") {
+                out.push(pid);
+            }
+        }
+    }
+    out
 }
 
 /// Waits (bounded) until nothing of pod `id` remains: processes, state directory, mounts,

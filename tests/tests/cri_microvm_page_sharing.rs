@@ -162,7 +162,11 @@ async fn pods_share_template_pages_within_a_namespace_and_never_across() {
         .map(|pod| {
             let pids = shim_pids(&ctrd, &pod.id);
             assert_eq!(pids.len(), 1, "one shim for {}", pod.id);
-            mapped_templates(pids[0], &templates)
+            // The guest memory is the shim's, or its VMM process's (vmm_process = true).
+            vm_memory_pids(pids[0])
+                .into_iter()
+                .flat_map(|pid| mapped_templates(pid, &templates))
+                .collect()
         })
         .collect();
     eprintln!("{maps:#?}");

@@ -67,6 +67,9 @@ pub enum VmmError {
     /// A VM thread's seccomp filter could not be built or installed ([`crate::jail`]).
     #[error("confining the VM's threads: {0}")]
     Jail(#[from] crate::jail::JailError),
+    /// A step of the process jail failed ([`crate::jail::process`]).
+    #[error("confining the VMM process: {0}")]
+    ProcessJail(#[from] crate::jail::process::ProcessJailError),
     /// An earlier wait already took the VM's result.
     #[error("the VM's result was already taken by an earlier wait")]
     AlreadyWaited,

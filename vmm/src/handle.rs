@@ -143,6 +143,8 @@ pub(crate) struct HandleDevices {
     pub(crate) page_sharing: Option<Mutex<VmSharing>>,
     /// With the jail on: the filter a sharing pass's own thread installs.
     pub(crate) sharing_filter: Option<crate::jail::ThreadFilter>,
+    /// Set by [`VmHandle::keep_devices_after_end`]: the buses stay until the handle drops.
+    pub(crate) keep_buses: std::sync::atomic::AtomicBool,
     /// The port and MMIO buses, which hold every device: their last references, dropped by
     /// teardown after the VM's threads are joined, so that no device is dropped on a confined
     /// thread (a vsock device removes its socket file when dropped).
@@ -348,6 +350,20 @@ impl VmHandle {
         })
     }
 
+    /// The page sharing filter of this VM (with the jail on and page sharing configured), for
+    /// a thread that serves page sharing passes only: it installs the filter once and then
+    /// calls [`VmHandle::share_pages_on_this_thread`] ([`crate::jail::split`], whose control
+    /// thread is filtered and cannot start the pass thread of [`VmHandle::share_pages`]).
+    pub fn sharing_filter(&self) -> Option<&crate::jail::ThreadFilter> {
+        self.devices.sharing_filter.as_ref()
+    }
+
+    /// One page sharing pass on the calling thread, which has installed
+    /// [`VmHandle::sharing_filter`] (or is the embedder's own).
+    pub fn share_pages_on_this_thread(&self) -> Result<SharingReport, VmmError> {
+        self.sharing_pass()
+    }
+
     fn sharing_pass(&self) -> Result<SharingReport, VmmError> {
         let started = Instant::now();
         let Some(sharing) = self.devices.page_sharing.as_ref() else {
@@ -436,7 +452,16 @@ impl VmHandle {
         if let Some(r) = lock(&self.running).take() {
             r.teardown(&self.shared);
         }
-        lock(&self.devices.buses).clear();
+        if !self.devices.keep_buses.load(Ordering::SeqCst) {
+            lock(&self.devices.buses).clear();
+        }
+    }
+
+    /// Keeps the devices when the VM is waited for (they go when the handle drops): for an
+    /// embedder whose waiting thread is confined (the VMM process's control thread), since a
+    /// device dropped may touch the host (a vsock device removes its socket file).
+    pub fn keep_devices_after_end(&self) {
+        self.devices.keep_buses.store(true, Ordering::SeqCst);
     }
 
     fn reap(&self) -> Result<VmExit, VmmError> {

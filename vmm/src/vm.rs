@@ -40,7 +40,18 @@ pub struct Vm;
 
 impl Vm {
     /// Boots a VM from `cfg` and returns its handle once every vCPU thread runs.
-    pub fn start(mut cfg: VmConfig) -> Result<VmHandle, VmmError> {
+    pub fn start(cfg: VmConfig) -> Result<VmHandle, VmmError> {
+        Self::start_then(cfg, || Ok(()))
+    }
+
+    /// [`Vm::start`], calling `before_threads` once every host resource of the VM is open and
+    /// every device built, and before any thread of the VM exists (so before anything reads
+    /// guest data): a VMM in a process of its own jails the process there
+    /// ([`crate::jail::split`]). Its error fails the start.
+    pub fn start_then(
+        mut cfg: VmConfig,
+        before_threads: impl FnOnce() -> Result<(), VmmError>,
+    ) -> Result<VmHandle, VmmError> {
         let started_at = Instant::now();
         cfg.validate()?;
         install_kick_handler()?;
@@ -268,6 +279,7 @@ impl Vm {
         } else {
             (None, None)
         };
+        before_threads()?;
         let mut running = new_running();
         running.mem = Some(mem);
         // The buses (and through them every device) outlive the VM's threads: a device's last
@@ -327,6 +339,7 @@ impl Vm {
                 balloon,
                 page_sharing: page_sharing.map(Mutex::new),
                 sharing_filter,
+                keep_buses: std::sync::atomic::AtomicBool::new(false),
                 buses: Mutex::new(buses),
             }),
             boot_time,

@@ -242,6 +242,7 @@ impl Sandbox {
         guest.vfio = cold.vfio.clone();
         guest.free_page_reporting = config.free_page_reporting;
         guest.page_sharing = page_sharing(id, config, req.annotations);
+        guest.vmm_process = config.vmm_process;
         let mut cold_files: Vec<Option<std::fs::File>> =
             cold.disks.into_iter().map(|d| Some(d.file)).collect();
         for d in &layout {

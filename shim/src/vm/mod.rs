@@ -6,6 +6,7 @@
 //!
 //! Kept narrow on purpose: boot from a spec, agent socket, shared directory, stop, wait.
 
+pub mod process;
 pub mod qemu;
 pub mod ready;
 pub mod thread;
@@ -87,6 +88,9 @@ pub struct GuestSpec {
     /// when guest pages equal to public templates are shared (docs/page-sharing.md); `None`:
     /// off. Left out when `vfio` is not empty.
     pub page_sharing: Option<vmm::PageSharingConfig>,
+    /// Embedded VMM: run the VM in a process of its own, jailed (`vmm_process` in the config,
+    /// docs/security.md "The VMM's confinement"), instead of in this one.
+    pub vmm_process: bool,
 }
 
 /// A virtio-blk disk of the guest; the guest finds it by its serial
@@ -175,6 +179,7 @@ impl GuestSpec {
             boot_files: vmm::BootFiles::Map,
             free_page_reporting: false,
             page_sharing: None,
+            vmm_process: false,
         }
     }
 
@@ -351,6 +356,9 @@ pub enum GuestVmError {
     /// A disk's file could not be duplicated for the VMM.
     #[error("cannot duplicate a disk's file: {0}")]
     Disk(std::io::Error),
+    /// The VMM process failed.
+    #[error("the VMM process: {0}")]
+    Process(String),
     /// The backend cannot give the guest this.
     #[error("this backend does not support {0}")]
     Unsupported(&'static str),
@@ -366,6 +374,8 @@ pub enum GuestVmError {
 /// embedded VMM's handle.
 pub enum Vm {
     Embedded(vmm::VmHandle),
+    /// The embedded VMM in a process of its own.
+    Process(Box<std::sync::Mutex<vmm::jail::split::VmmProcess>>),
     Qemu(Box<QemuVm>),
 }
 
@@ -380,6 +390,7 @@ impl Vm {
                 Some(Err(vmm::VmmError::AlreadyWaited)) => Ok(Some(EndReason::Stopped)),
                 Some(Err(e)) => Err(e.into()),
             },
+            Vm::Process(p) => Ok(lock(p).wait_timeout(timeout).map(|end| process_end(&end))),
             Vm::Qemu(vm) => Ok(vm.wait_timeout(timeout)?.map(|s| {
                 if s.success() {
                     EndReason::GuestReset
@@ -395,6 +406,9 @@ impl Vm {
     fn attach_block(&self, index: usize, serial: String, file: File) -> Result<(), GuestVmError> {
         match self {
             Vm::Embedded(h) => Ok(h.attach_block(index, serial, file)?),
+            Vm::Process(p) => lock(p)
+                .attach_block(index, serial, &file, REQUEST_TIMEOUT)
+                .map_err(|e| GuestVmError::Process(e.to_string())),
             Vm::Qemu(_) => Err(GuestVmError::Unsupported(
                 "block hot-plug on the QEMU backend",
             )),
@@ -405,6 +419,9 @@ impl Vm {
     fn detach_block(&self, index: usize) -> Result<(), GuestVmError> {
         match self {
             Vm::Embedded(h) => Ok(h.detach_block(index)?),
+            Vm::Process(p) => lock(p)
+                .detach_block(index, REQUEST_TIMEOUT)
+                .map_err(|e| GuestVmError::Process(e.to_string())),
             Vm::Qemu(_) => Err(GuestVmError::Unsupported(
                 "block hot-plug on the QEMU backend",
             )),
@@ -412,12 +429,22 @@ impl Vm {
     }
 
     /// One page sharing pass (embedded VMM with page sharing on; `None` otherwise).
-    fn share_pages(&self) -> Option<Result<vmm::SharingReport, GuestVmError>> {
+    fn share_pages(&self) -> Option<Result<(), GuestVmError>> {
         match self {
             Vm::Embedded(h) => match h.share_pages() {
                 Err(vmm::VmmError::PageSharing(vmm::page_sharing::PageSharingError::Off)) => None,
-                r => Some(r.map_err(Into::into)),
+                r => Some(r.map(drop).map_err(Into::into)),
             },
+            Vm::Process(p) => {
+                let mut p = lock(p);
+                if !p.shares_pages() {
+                    return None;
+                }
+                Some(
+                    p.share_pages(SHARING_TIMEOUT)
+                        .map_err(|e| GuestVmError::Process(e.to_string())),
+                )
+            }
             Vm::Qemu(_) => None,
         }
     }
@@ -430,6 +457,16 @@ impl Vm {
                 Err(vmm::VmmError::PageSharing(vmm::page_sharing::PageSharingError::Off)) => None,
                 r => Some(r.map_err(Into::into)),
             },
+            Vm::Process(p) => {
+                let mut p = lock(p);
+                if !p.shares_pages() {
+                    return None;
+                }
+                Some(
+                    p.kernel_text_template_missing(REQUEST_TIMEOUT)
+                        .map_err(|e| GuestVmError::Process(e.to_string())),
+                )
+            }
             Vm::Qemu(_) => None,
         }
     }
@@ -438,6 +475,9 @@ impl Vm {
     fn capture_kernel_text(&self) -> Result<bool, GuestVmError> {
         match self {
             Vm::Embedded(h) => Ok(h.capture_kernel_text()?),
+            Vm::Process(_) => Err(GuestVmError::Unsupported(
+                "capturing the kernel text in a VMM process (the capture VM runs in the shim)",
+            )),
             Vm::Qemu(_) => Err(GuestVmError::Unsupported(
                 "page sharing on the QEMU backend",
             )),
@@ -454,8 +494,40 @@ impl Vm {
                     Err(e) => Err(e.into()),
                 }
             }
+            Vm::Process(p) => {
+                let end = lock(p).stop(STOP_TIMEOUT);
+                if end.said.is_none() && end.exit != Err(libc::SIGKILL) {
+                    log::warn!("stopping the VMM process: {}", end.describe());
+                }
+                Ok(())
+            }
             Vm::Qemu(vm) => vm.stop().map(drop).map_err(Into::into),
         }
+    }
+}
+
+/// How long a request to a VMM process (disk attach, detach) may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a page sharing pass in a VMM process may take.
+const SHARING_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a VMM process may take to stop before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why a VMM process's VM ended. A seccomp kill is logged as the doc says (the line of the
+/// VMM's report handler is in the log just before).
+fn process_end(end: &vmm::jail::split::VmmEnd) -> EndReason {
+    use vmm::jail::channel::EndKind;
+    if end.by_seccomp() {
+        log::error!("{}", end.describe());
+    }
+    match (&end.said, end.exit) {
+        (Some((EndKind::Reset, _)), Ok(_)) => EndReason::GuestReset,
+        (Some((EndKind::Stopped, _)), Ok(_)) => EndReason::Stopped,
+        _ => EndReason::Lost(end.describe()),
     }
 }
 
@@ -527,6 +599,9 @@ impl GuestVm {
             })
             .and_then(|ready| {
                 let (vm, detail) = match backend {
+                    Backend::Kvm if spec.vmm_process => {
+                        Self::start_kvm_process(spec, &console_log, &uds)?
+                    }
                     Backend::Kvm => Self::start_kvm(spec, &console_log, &uds)?,
                     Backend::Qemu => Self::start_qemu(spec, &console_log)?,
                 };
@@ -620,6 +695,19 @@ impl GuestVm {
         Ok((Vm::Embedded(handle), detail))
     }
 
+    fn start_kvm_process(
+        spec: &GuestSpec,
+        console_log: &Path,
+        uds: &Path,
+    ) -> Result<(Vm, String), GuestVmError> {
+        let cmdline = format!("{KVM_GUEST_CMDLINE} {}", spec.cmdline_extra())
+            .trim_end()
+            .to_string();
+        let p = process::start(spec, cmdline, console_log, uds)?;
+        let detail = format!("{} (pid {})", p.detail(), p.pid());
+        Ok((Vm::Process(Box::new(std::sync::Mutex::new(p))), detail))
+    }
+
     fn start_qemu(spec: &GuestSpec, console_log: &Path) -> Result<(Vm, String), GuestVmError> {
         let memory_mib =
             u32::try_from(spec.memory_mib).map_err(|_| GuestVmError::Memory(spec.memory_mib))?;
@@ -696,6 +784,7 @@ impl GuestVm {
     pub fn pids(&self) -> Vec<u32> {
         match &self.vm {
             Vm::Embedded(_) => Vec::new(),
+            Vm::Process(p) => vec![lock(p).pid()],
             Vm::Qemu(vm) => vm.pids(),
         }
     }
@@ -770,7 +859,7 @@ impl GuestVm {
 
     /// One page sharing pass over the guest's memory (docs/page-sharing.md): `None` when the
     /// VM does not share pages (off, VFIO devices, the QEMU backend).
-    pub fn share_pages(&self) -> Option<Result<vmm::SharingReport, GuestVmError>> {
+    pub fn share_pages(&self) -> Option<Result<(), GuestVmError>> {
         self.vm.share_pages()
     }
 

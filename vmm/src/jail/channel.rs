@@ -28,10 +28,21 @@ pub const MAX_MESSAGE: usize = 16 << 10;
 pub const MAX_FDS: usize = 8;
 /// The longest string field (a disk's serial, an error's reason).
 pub const MAX_STRING: usize = 4096;
+/// The longest VM description (`Start`).
+pub const MAX_DESCRIPTION: usize = MAX_MESSAGE - 8;
 
 /// What travels on the channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
+    /// Embedder -> VMM, first: the VM to run ([`super::split::VmDescription`] as JSON, at
+    /// most [`MAX_DESCRIPTION`] bytes).
+    Start { description: String },
+    /// VMM -> embedder: the VM of `Start` runs (its threads are confined); how it boots.
+    Started { detail: String },
+    /// Embedder -> VMM: is the kernel text template still to be captured? Answered by `Flag`.
+    KernelTextMissing,
+    /// VMM -> embedder: the answer to a yes/no request.
+    Flag { value: bool },
     /// Embedder -> VMM: stop the VM.
     Stop,
     /// Embedder -> VMM: one page sharing pass.
@@ -183,9 +194,17 @@ const T_DETACH: u8 = 4;
 const T_DONE: u8 = 5;
 const T_FAILED: u8 = 6;
 const T_ENDED: u8 = 7;
+const T_START: u8 = 8;
+const T_STARTED: u8 = 9;
+const T_TEXT_MISSING: u8 = 10;
+const T_FLAG: u8 = 11;
 
 fn put_str(out: &mut Vec<u8>, s: &str) -> Result<(), ChannelError> {
-    if s.len() > MAX_STRING {
+    put_str_max(out, s, MAX_STRING)
+}
+
+fn put_str_max(out: &mut Vec<u8>, s: &str, max: usize) -> Result<(), ChannelError> {
+    if s.len() > max {
         return Err(ChannelError::TooLarge(s.len()));
     }
     out.extend_from_slice(&(s.len() as u32).to_le_bytes());
@@ -197,6 +216,19 @@ fn put_str(out: &mut Vec<u8>, s: &str) -> Result<(), ChannelError> {
 pub fn encode(msg: &Message) -> Result<Vec<u8>, ChannelError> {
     let mut out = Vec::with_capacity(64);
     match msg {
+        Message::Start { description } => {
+            out.push(T_START);
+            put_str_max(&mut out, description, MAX_DESCRIPTION)?;
+        }
+        Message::Started { detail } => {
+            out.push(T_STARTED);
+            put_str(&mut out, detail)?;
+        }
+        Message::KernelTextMissing => out.push(T_TEXT_MISSING),
+        Message::Flag { value } => {
+            out.push(T_FLAG);
+            out.push(u8::from(*value));
+        }
         Message::Stop => out.push(T_STOP),
         Message::SharePages => out.push(T_SHARE),
         Message::AttachBlock { index, serial } => {
@@ -247,8 +279,12 @@ impl Reader<'_> {
     }
 
     fn string(&mut self) -> Result<String, ChannelError> {
+        self.string_max(MAX_STRING)
+    }
+
+    fn string_max(&mut self, max: usize) -> Result<String, ChannelError> {
         let len = self.u32()? as usize;
-        if len > MAX_STRING {
+        if len > max {
             return Err(ChannelError::Malformed("a string over the bound"));
         }
         if self.0.len() < len {
@@ -272,6 +308,20 @@ impl Reader<'_> {
 pub fn decode(bytes: &[u8]) -> Result<Message, ChannelError> {
     let mut r = Reader(bytes);
     let msg = match r.u8()? {
+        T_START => Message::Start {
+            description: r.string_max(MAX_DESCRIPTION)?,
+        },
+        T_STARTED => Message::Started {
+            detail: r.string()?,
+        },
+        T_TEXT_MISSING => Message::KernelTextMissing,
+        T_FLAG => Message::Flag {
+            value: match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return Err(ChannelError::Malformed("a flag neither 0 nor 1")),
+            },
+        },
         T_STOP => Message::Stop,
         T_SHARE => Message::SharePages,
         T_ATTACH => Message::AttachBlock {
@@ -308,6 +358,14 @@ mod tests {
 
     fn all() -> Vec<Message> {
         vec![
+            Message::Start {
+                description: "{\"vcpus\":1}".into(),
+            },
+            Message::Started {
+                detail: "embedded vmm".into(),
+            },
+            Message::KernelTextMissing,
+            Message::Flag { value: true },
             Message::Stop,
             Message::SharePages,
             Message::AttachBlock {
@@ -381,6 +439,9 @@ mod tests {
             vec![T_FAILED, 2, 0, 0, 0, 0xc3, 0x28],
             vec![T_ENDED, 9, 0, 0, 0, 0],
             vec![T_FAILED, 0xff, 0xff, 0xff, 0xff],
+            vec![T_FLAG, 2],
+            vec![T_START],
+            vec![T_STARTED, 1, 0, 0, 0],
         ];
         for bytes in cases {
             raw(&bytes, &[]);

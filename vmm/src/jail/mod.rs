@@ -30,8 +30,9 @@ pub mod channel;
 pub mod filters;
 pub mod process;
 mod report;
+pub mod split;
 
-pub use report::report_violations_to;
+pub use report::{report_fd, report_violations_to};
 
 /// What a thread of the VMM does, hence which system calls it may make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

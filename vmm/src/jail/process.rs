@@ -216,6 +216,132 @@ pub fn pivot_to_empty_root(
     Ok(())
 }
 
+/// A detached copy of the directory at `path` (a bind mount of it, with the mounts under it),
+/// to be mounted in the empty root by [`pivot_to_root_holding`]. Take it before
+/// [`enter_namespaces`], as [`detached_share`].
+pub fn detached_tree(path: &Path) -> Result<OwnedFd, ProcessJailError> {
+    open_tree(
+        rustix::fs::CWD,
+        path,
+        OpenTreeFlags::OPEN_TREE_CLONE
+            | OpenTreeFlags::AT_RECURSIVE
+            | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )
+    .map_err(sys("cloning a folder's mounts"))
+}
+
+/// Like [`pivot_to_empty_root`], with each tree of `mounts` (from [`detached_tree`]) mounted
+/// at its absolute path in the new root (the folders on the way are made in the empty
+/// tmpfs), so that the VMM's paths (the vsock sockets of its work folder, the page templates)
+/// stay what they were while nothing else of the host is there. At most 8 trees, paths of at
+/// most 8 components.
+pub fn pivot_to_root_holding(
+    mount_point: &Path,
+    mounts: &[(&Path, &OwnedFd)],
+    with_proc: bool,
+) -> Result<(), ProcessJailError> {
+    mount(
+        "none",
+        mount_point,
+        "tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        c"size=64k,nr_inodes=80,mode=0755",
+    )
+    .map_err(sys("mounting the empty root (tmpfs)"))?;
+    if mounts.len() > 8 {
+        return Err(ProcessJailError::Sys {
+            step: "the trees of the new root",
+            source: std::io::Error::other("more than 8"),
+        });
+    }
+    let root = rustix::fs::open(
+        mount_point,
+        rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(sys("opening the empty root"))?;
+    for (path, tree) in mounts {
+        let components: Vec<_> = path
+            .components()
+            .filter_map(|c| match c {
+                std::path::Component::Normal(n) => Some(n),
+                _ => None,
+            })
+            .collect();
+        if components.is_empty() || components.len() > 8 || !path.is_absolute() {
+            return Err(ProcessJailError::Sys {
+                step: "a tree's place in the new root",
+                source: std::io::Error::other(format!(
+                    "{} is not a plain absolute path",
+                    path.display()
+                )),
+            });
+        }
+        let mut rel = std::path::PathBuf::new();
+        for c in components {
+            rel.push(c);
+            match rustix::fs::mkdirat(&root, &rel, Mode::from_raw_mode(0o755)) {
+                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                Err(e) => return Err(sys("making a mount point in the new root")(e)),
+            }
+        }
+        move_mount(
+            tree.as_fd(),
+            "",
+            root.as_fd(),
+            &rel,
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+        )
+        .map_err(sys("mounting a tree in the new root"))?;
+    }
+    if with_proc {
+        // The process's own tasks only (`subset=pid`: no /proc/sys, no sysrq-trigger, no
+        // host-wide files), of its own PID namespace: the virtio-fs server reaches the share
+        // through /proc/self/fd.
+        rustix::fs::mkdirat(&root, "proc", Mode::from_raw_mode(0o555))
+            .map_err(sys("making /proc in the new root"))?;
+        let mut target = mount_point.to_path_buf();
+        target.push("proc");
+        mount(
+            "proc",
+            &target,
+            "proc",
+            MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+            c"subset=pid",
+        )
+        .map_err(sys("mounting /proc (subset=pid) in the new root"))?;
+    }
+    drop(root);
+    rustix::process::chdir(mount_point).map_err(sys("entering the empty root"))?;
+    enter_new_root()
+}
+
+/// Makes the current directory (the empty root, a mount) the root, detaches the old one, and
+/// makes the new root read-only.
+fn enter_new_root() -> Result<(), ProcessJailError> {
+    // pivot_root(".", "."): the old root ends up stacked under the new one at "/", and the
+    // detach below takes it away (no folder for it is needed).
+    rustix::process::pivot_root(".", ".").map_err(sys("pivot_root"))?;
+    unmount(".", UnmountFlags::DETACH).map_err(sys("detaching the old root"))?;
+    rustix::process::chdir("/").map_err(sys("chdir /"))?;
+    mount_change(
+        "/",
+        MountPropagationFlags::DOWNSTREAM | MountPropagationFlags::REC,
+    )
+    .map_err(sys("keeping the new root a slave"))?;
+    rustix::mount::mount_remount(
+        "/",
+        MountFlags::BIND
+            | MountFlags::RDONLY
+            | MountFlags::NOSUID
+            | MountFlags::NODEV
+            | MountFlags::NOEXEC,
+        "",
+    )
+    .map_err(sys("making the new root read-only"))?;
+    Ok(())
+}
+
 /// The capabilities the virtio-fs server keeps when the VMM serves a shared directory as
 /// root: it acts for the guest's users on their files (`CAP_CHOWN`, `CAP_DAC_OVERRIDE`,
 /// `CAP_FOWNER`) and switches its effective ids per request (`CAP_SETUID`, `CAP_SETGID`).

@@ -34,6 +34,14 @@ pub fn report_violations_to(fd: OwnedFd) {
     }
 }
 
+/// The descriptor the handler writes to (standard error unless [`report_violations_to`] gave
+/// another): a VMM process started by the embedder gets it as its standard error.
+pub fn report_fd() -> std::os::fd::BorrowedFd<'static> {
+    // SAFETY: the descriptor is kept open for the life of the process (it is only ever
+    // replaced by report_violations_to, which embedders call once, at start-up).
+    unsafe { std::os::fd::BorrowedFd::borrow_raw(REPORT_FD.load(Ordering::SeqCst)) }
+}
+
 /// Installs the handler once per process.
 pub(crate) fn install_handler() -> std::io::Result<()> {
     static ONCE: Once = Once::new();

@@ -1,0 +1,103 @@
+//! The embedded VMM in a process of its own (`vmm_process = true` in the config; off by
+//! default): the shim's side of `vmm::jail::split` for a [`GuestSpec`], and the hidden
+//! subcommand's entry point. docs/security.md, "The VMM's confinement", says what the VMM
+//! process gets and what it may do.
+
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::Path;
+use std::time::Duration;
+
+use vmm::jail::split::{
+    BlockDescription, NetDescription, PageSharingDescription, SharedFsDescription, VmDescription,
+    VmmProcess, VsockDescription,
+};
+
+use super::{DiskBacking, GuestSpec, GuestVmError, CONSOLE_LOG_BYTES, GUEST_CID};
+
+/// How long the VMM process may take from its start to a running VM.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `containerd-shim-microvm-v1 __vmm <fd>`: a pod's VMM process. Logs go to standard error,
+/// which the shim gave its log (containerd's log fifo). Returns the exit code (a running VM
+/// never returns: the process exits when the VM ends).
+pub fn vmm_main(channel_fd: String) -> i32 {
+    let _ = env_logger::Builder::new()
+        .filter_level(log::LevelFilter::Info)
+        .parse_env("RUST_LOG")
+        .write_style(env_logger::WriteStyle::Never)
+        .format_timestamp(None)
+        .format_target(false)
+        .try_init();
+    vmm::jail::split::serve(&channel_fd)
+}
+
+/// The description of `spec`'s VM for a VMM process: paths the process opens before it jails
+/// itself, and the numbers of the descriptors the shim holds (taps, disk files), which the
+/// process inherits.
+pub fn describe(
+    spec: &GuestSpec,
+    cmdline: String,
+    console_log: &Path,
+    uds: &Path,
+) -> VmDescription {
+    VmDescription {
+        vcpus: spec.vcpus,
+        memory_mib: spec.memory_mib,
+        kernel: spec.kernel.clone(),
+        initrd: Some(spec.initrd.clone()),
+        copy_boot_files: spec.boot_files == vmm::BootFiles::Copy,
+        cmdline,
+        console_log: console_log.to_path_buf(),
+        console_log_bytes: CONSOLE_LOG_BYTES,
+        work_dir: spec.work_dir.clone(),
+        vsock: Some(VsockDescription {
+            guest_cid: GUEST_CID,
+            uds_path: uds.to_path_buf(),
+        }),
+        shared_fs: spec.shared.as_ref().map(|s| SharedFsDescription {
+            tag: s.tag.clone(),
+            host_dir: s.host_dir.clone(),
+        }),
+        nets: spec
+            .nics
+            .iter()
+            .map(|n| NetDescription {
+                fd: n.tap.as_fd().as_raw_fd(),
+                mac: n.mac,
+                mtu: Some(n.mtu),
+            })
+            .collect(),
+        blocks: spec
+            .disks
+            .iter()
+            .map(|d| BlockDescription {
+                serial: d.serial.clone(),
+                read_only: d.backing.read_only(),
+                fd: match &d.backing {
+                    DiskBacking::Empty { .. } => None,
+                    DiskBacking::File { file, .. } => Some(file.as_raw_fd()),
+                },
+            })
+            .collect(),
+        vfio: spec.vfio.clone(),
+        balloon: spec.wants_balloon().then_some(true),
+        page_sharing: spec.page_sharing_config().map(|p| PageSharingDescription {
+            template_dir: p.template_dir,
+            domain: p.domain,
+            capture_kernel_text: p.capture_kernel_text,
+        }),
+    }
+}
+
+/// Starts `spec`'s VM in a VMM process of its own, from this binary.
+pub fn start(
+    spec: &GuestSpec,
+    cmdline: String,
+    console_log: &Path,
+    uds: &Path,
+) -> Result<VmmProcess, GuestVmError> {
+    let exe = std::env::current_exe().map_err(|e| GuestVmError::Process(e.to_string()))?;
+    let desc = describe(spec, cmdline, console_log, uds);
+    VmmProcess::spawn(&exe, &desc, Some(vmm::jail::report_fd()), START_TIMEOUT)
+        .map_err(|e| GuestVmError::Process(e.to_string()))
+}
