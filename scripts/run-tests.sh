@@ -74,14 +74,15 @@ done
 
 echo "== linux guests on the embedded vmm"
 # The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
-# name. The first two and the page-sharing suite are #[ignore]d in the plain run (counted here,
-# where they run).
-embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent cri_microvm_page_sharing)
+# name. The first two and the page-sharing and VMM-process suites are #[ignore]d in the plain run
+# (counted here, where they run).
+embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent cri_microvm_page_sharing cri_microvm_vmm_process)
 n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
 n_vfio=$(grep -c '^#\[ignore' tests/tests/kvm_vfio_passthrough.rs || true)
-n_sharing=$(grep -c '^#\[ignore' tests/tests/cri_microvm_page_sharing.rs || true)
+n_sharing=$(cat tests/tests/cri_microvm_page_sharing.rs tests/tests/cri_microvm_vmm_process.rs | grep -c '^#\[ignore' || true)
 n_linux=$(( n_linux + n_vfio + n_sharing ))
-# (the page-sharing suite's tests are counted by the loop below, with the other pod suites)
+# (the page-sharing and VMM-process suites' tests are counted by the loop below, with the other
+# pod suites)
 n_embedded=$(( n_linux - n_sharing ))
 for t in "${embedded_targets[@]:2}"; do
   n_embedded=$(( n_embedded + $(grep -cE '^#\[(tokio::)?test' "tests/tests/$t.rs") ))

@@ -104,7 +104,9 @@ for arg in "$@"; do
       fi
       ;;
     # Page sharing runs on the embedded VMM only: #[ignore]d where the pod suites run on QEMU.
-    cri_microvm_page_sharing) args=(--include-ignored --test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
+    # So does the VMM in a process of its own (vmm_process = true, which that test sets for its
+    # pods).
+    cri_microvm_page_sharing|cri_microvm_vmm_process) args=(--include-ignored --test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
     *) args=(--test-threads=1 --color=never); env=(MICROVM_TEST_HYPERVISOR=kvm) ;;
   esac
   env+=("${containerd[@]}")
