@@ -592,12 +592,12 @@ pub enum ServeError {
 /// Takes descriptor `fd` (named by the description) as ours: open, not standard I/O, not the
 /// channel, close-on-exec from now on.
 fn take_fd(fd: RawFd, channel: RawFd, taken: &mut Vec<RawFd>) -> Result<OwnedFd, ServeError> {
-    // SAFETY: F_GETFD/F_SETFD on a descriptor number; no memory.
-    if fd < 3
-        || fd == channel
-        || taken.contains(&fd)
-        || unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0
-    {
+    let cloexec = |fd: RawFd| {
+        // SAFETY: F_SETFD on a descriptor number touches no memory; a number that is not open
+        // gives EBADF.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) }
+    };
+    if fd < 3 || fd == channel || taken.contains(&fd) || cloexec(fd) != 0 {
         return Err(ServeError::Description(format!(
             "descriptor {fd} is not one the VMM process was given"
         )));
