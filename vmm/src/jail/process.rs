@@ -193,27 +193,7 @@ pub fn pivot_to_empty_root(
         .map_err(sys("mounting the share in the empty root"))?;
     }
     rustix::process::chdir(mount_point).map_err(sys("entering the empty root"))?;
-    // pivot_root(".", "."): the old root ends up stacked under the new one at "/", and the
-    // detach below takes it away (no folder for it is needed).
-    rustix::process::pivot_root(".", ".").map_err(sys("pivot_root"))?;
-    unmount(".", UnmountFlags::DETACH).map_err(sys("detaching the old root"))?;
-    rustix::process::chdir("/").map_err(sys("chdir /"))?;
-    mount_change(
-        "/",
-        MountPropagationFlags::DOWNSTREAM | MountPropagationFlags::REC,
-    )
-    .map_err(sys("keeping the new root a slave"))?;
-    rustix::mount::mount_remount(
-        "/",
-        MountFlags::BIND
-            | MountFlags::RDONLY
-            | MountFlags::NOSUID
-            | MountFlags::NODEV
-            | MountFlags::NOEXEC,
-        "",
-    )
-    .map_err(sys("making the new root read-only"))?;
-    Ok(())
+    pivot_into_cwd_read_only()
 }
 
 /// A detached copy of the directory at `path` (a bind mount of it, with the mounts under it),
@@ -319,27 +299,7 @@ pub fn pivot_to_root_holding(
 /// Makes the current directory (the empty root, a mount) the root, detaches the old one, and
 /// makes the new root read-only.
 fn enter_new_root() -> Result<(), ProcessJailError> {
-    // pivot_root(".", "."): the old root ends up stacked under the new one at "/", and the
-    // detach below takes it away (no folder for it is needed).
-    rustix::process::pivot_root(".", ".").map_err(sys("pivot_root"))?;
-    unmount(".", UnmountFlags::DETACH).map_err(sys("detaching the old root"))?;
-    rustix::process::chdir("/").map_err(sys("chdir /"))?;
-    mount_change(
-        "/",
-        MountPropagationFlags::DOWNSTREAM | MountPropagationFlags::REC,
-    )
-    .map_err(sys("keeping the new root a slave"))?;
-    rustix::mount::mount_remount(
-        "/",
-        MountFlags::BIND
-            | MountFlags::RDONLY
-            | MountFlags::NOSUID
-            | MountFlags::NODEV
-            | MountFlags::NOEXEC,
-        "",
-    )
-    .map_err(sys("making the new root read-only"))?;
-    Ok(())
+    pivot_into_cwd_read_only()
 }
 
 /// The capabilities the virtio-fs server keeps when the VMM serves a shared directory as
@@ -371,4 +331,31 @@ pub fn keep_capabilities(keep: &[Capability]) -> Result<(), ProcessJailError> {
     caps::set(None, CapSet::Inheritable, &HashSet::new()).map_err(caps_err("inheritable set"))?;
     caps::set(None, CapSet::Effective, &keep).map_err(caps_err("effective set"))?;
     caps::set(None, CapSet::Permitted, &keep).map_err(caps_err("permitted set"))
+}
+
+/// Makes the current directory (a mount point) the root: pivots into it, detaches the old root,
+/// keeps the new root a slave of the host's mounts and remounts it read-only, nosuid, nodev,
+/// noexec.
+fn pivot_into_cwd_read_only() -> Result<(), ProcessJailError> {
+    // pivot_root(".", "."): the old root ends up stacked under the new one at "/", and the
+    // detach below takes it away (no folder for it is needed).
+    rustix::process::pivot_root(".", ".").map_err(sys("pivot_root"))?;
+    unmount(".", UnmountFlags::DETACH).map_err(sys("detaching the old root"))?;
+    rustix::process::chdir("/").map_err(sys("chdir /"))?;
+    mount_change(
+        "/",
+        MountPropagationFlags::DOWNSTREAM | MountPropagationFlags::REC,
+    )
+    .map_err(sys("keeping the new root a slave"))?;
+    rustix::mount::mount_remount(
+        "/",
+        MountFlags::BIND
+            | MountFlags::RDONLY
+            | MountFlags::NOSUID
+            | MountFlags::NODEV
+            | MountFlags::NOEXEC,
+        "",
+    )
+    .map_err(sys("making the new root read-only"))?;
+    Ok(())
 }
