@@ -112,8 +112,8 @@ pub struct Config {
     pub page_templates_dir: PathBuf,
     /// Embedded VMM: run each pod's VMM in a process of its own, jailed (new namespaces, an
     /// empty root, limits, capabilities, `no_new_privs`, a seccomp filter per thread), instead
-    /// of as threads of the shim (docs/security.md, "The VMM's confinement"). Off by default
-    /// until the pod suites pass with it in the nested lane.
+    /// of as threads of the shim (docs/security.md, "The VMM's confinement"). On by default;
+    /// `false` keeps the VMM in the shim (one process less, no process boundary).
     pub vmm_process: bool,
 }
 
@@ -220,7 +220,7 @@ impl Default for Config {
             free_page_reporting: true,
             page_sharing: PageSharing::default(),
             page_templates_dir: PathBuf::from(vmm::page_sharing::DEFAULT_TEMPLATE_DIR),
-            vmm_process: false,
+            vmm_process: true,
         }
     }
 }

@@ -141,9 +141,10 @@ fn write_config_with(
         );
     }
     let path = dir.join("microvm.toml");
-    // MICROVM_TEST_VMM_PROCESS=1 runs each pod's embedded VMM in a process of its own
-    // (`vmm_process = true`, docs/security.md), for lane runs of the pod suites with the split.
-    let vmm_process = std::env::var("MICROVM_TEST_VMM_PROCESS").is_ok_and(|v| v == "1");
+    // Each pod's embedded VMM runs in a process of its own (`vmm_process`, on by default,
+    // docs/security.md); MICROVM_TEST_VMM_PROCESS=0 keeps it in the shim, for lane runs of the
+    // pod suites with the VMM as threads of the shim.
+    let vmm_in_shim = vmm_process_off_for_tests();
     // MICROVM_TEST_LOG_LEVEL=debug turns on the shim's and the guest agent's debug lines.
     let log_level = std::env::var("MICROVM_TEST_LOG_LEVEL").unwrap_or_else(|_| "info".into());
     std::fs::write(
@@ -157,8 +158,8 @@ fn write_config_with(
             } else {
                 ""
             },
-            if vmm_process {
-                "vmm_process = true\n"
+            if vmm_in_shim {
+                "vmm_process = false\n"
             } else {
                 ""
             }
@@ -166,6 +167,12 @@ fn write_config_with(
     )
     .unwrap();
     path
+}
+
+/// Whether MICROVM_TEST_VMM_PROCESS=0 asks the pod suites to keep the embedded VMM in the
+/// shim (`vmm_process = false`) instead of the default process of its own.
+pub fn vmm_process_off_for_tests() -> bool {
+    std::env::var("MICROVM_TEST_VMM_PROCESS").is_ok_and(|v| v == "0")
 }
 
 pub async fn start(config: &Path) -> (PrivateContainerd, CriClient) {

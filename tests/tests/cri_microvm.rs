@@ -47,9 +47,9 @@ async fn microvm_pod_sandbox_runs_in_a_vm_and_leaves_nothing() {
         );
     }
     if expected.is_empty() {
-        // The embedded VMM runs in the shim, or (`vmm_process = true`) in exactly one process
-        // of its own, the shim's `__vmm` child.
-        let own_process = std::env::var("MICROVM_TEST_VMM_PROCESS").is_ok_and(|v| v == "1");
+        // The embedded VMM runs in exactly one process of its own, the shim's `__vmm` child
+        // (`vmm_process`, the default), or in the shim (MICROVM_TEST_VMM_PROCESS=0).
+        let own_process = !vmm_process_off_for_tests();
         if own_process {
             assert!(
                 vm.len() == 1 && vm[0].1.contains(" __vmm "),

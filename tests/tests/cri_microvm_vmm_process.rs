@@ -38,10 +38,14 @@ async fn a_pods_vmm_runs_jailed_in_a_process_of_its_own_and_its_death_ends_the_p
     require_root();
     let dir = tempfile::tempdir().unwrap();
     let config = write_config_for(dir.path(), None, "kvm");
-    let mut text = std::fs::read_to_string(&config).unwrap();
-    if !text.contains("vmm_process") {
-        text.push_str("vmm_process = true\n");
-    }
+    // The default, said here so that MICROVM_TEST_VMM_PROCESS=0 runs of the suites keep it.
+    let text = std::fs::read_to_string(&config).unwrap();
+    let mut text: String = text
+        .lines()
+        .filter(|l| !l.starts_with("vmm_process"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    text.push_str("vmm_process = true\n");
     std::fs::write(&config, text).unwrap();
     let (ctrd, cri) = start(&config).await;
     cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
