@@ -632,6 +632,19 @@ enum ShareRequest {
 /// when the VM ran, it never returns (the process exits without dropping the VM: a confined
 /// thread may not remove its socket file, and the embedder removes the work folder).
 pub fn serve(channel_fd: &str) -> i32 {
+    serve_with(channel_fd, None)
+}
+
+/// Code an embedder runs in its VMM process on a thread of its own ([`serve_with`]).
+pub type ExtraThread = Box<dyn FnOnce() + Send + 'static>;
+
+/// [`serve`], with `extra` run on a thread of its own once the VM runs, in the jail (the
+/// process's namespaces, root, limits, capabilities and `no_new_privs`), started before the
+/// control thread installs its filter (which forbids starting threads); the thread has no
+/// filter but what `extra` installs. The product binary passes none: the jail's tests play a
+/// hijacked thread of the VM there, under that thread's filter
+/// (shim/tests/kvm_vmm_process_climb.rs).
+pub fn serve_with(channel_fd: &str, extra: Option<ExtraThread>) -> i32 {
     let Ok(fd) = channel_fd.parse::<RawFd>() else {
         eprintln!("vmm: {}", ServeError::ChannelFd(channel_fd.into()));
         return 2;
@@ -643,7 +656,7 @@ pub fn serve(channel_fd: &str) -> i32 {
     }
     // SAFETY: the embedder handed this descriptor (its end of the channel) to us alone.
     let channel = Channel::from_fd(unsafe { OwnedFd::from_raw_fd(fd) });
-    match run(&channel, fd) {
+    match run(&channel, fd, extra) {
         Ok(never) => match never {},
         Err(e) => {
             log::error!("vmm: {e}");
@@ -660,7 +673,11 @@ pub fn serve(channel_fd: &str) -> i32 {
 
 enum Never {}
 
-fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
+fn run(
+    channel: &Channel,
+    channel_fd: RawFd,
+    extra: Option<ExtraThread>,
+) -> Result<Never, ServeError> {
     let description = match channel.recv()? {
         (Message::Start { description }, _) => description,
         _ => return Err(ServeError::NoStart),
@@ -823,6 +840,12 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
             "embedded vmm on /dev/kvm in its own process, {} entry",
             handle.boot_entry()
         );
+        if let Some(extra) = extra {
+            std::thread::Builder::new()
+                .name("vmm-extra".into())
+                .spawn(extra)
+                .map_err(io("spawn the embedder's extra thread"))?;
+        }
         control.install()?;
         channel.send(&Message::Started { detail }, &[])?;
         serve_requests(channel, handle, &share_tx);
