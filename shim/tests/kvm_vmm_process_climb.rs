@@ -300,7 +300,8 @@ fn main() {
     if args.get(1).map(String::as_str) == Some(vmm::jail::split::SUBCOMMAND) {
         std::process::exit(vmm_main(&args));
     }
-    const NAME: &str = "a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates";
+    const NAME: &str =
+        "a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates";
     if args.iter().any(|a| a == "--list") {
         println!("{NAME}: test");
         return;

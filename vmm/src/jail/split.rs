@@ -707,35 +707,15 @@ fn run(
         guest_cid: v.guest_cid,
         uds_path: v.uds_path.clone(),
     });
-    // The share is served from a descriptor of the host's mount of it, opened here, reached
-    // through /proc/self/fd (a procfs of this process's own is mounted in the new root): the
-    // shim mounts containers' files under the share later, and only the host's mount (a private
-    // one) sees them (docs/security.md says what this leaves open).
-    let share_fd = match &desc.shared_fs {
-        Some(s) => Some(
-            rustix::fs::open(
-                &s.host_dir,
-                rustix::fs::OFlags::RDONLY
-                    | rustix::fs::OFlags::DIRECTORY
-                    | rustix::fs::OFlags::CLOEXEC,
-                rustix::fs::Mode::empty(),
-            )
-            .map_err(|e| {
-                ServeError::Description(format!("the share {}: {e}", s.host_dir.display()))
-            })?,
-        ),
-        None => None,
-    };
-    cfg.shared_fs = match (&desc.shared_fs, &share_fd) {
-        (Some(s), Some(fd)) => Some(SharedFsConfig {
-            tag: s.tag.clone(),
-            // `/.`: the magic link is followed as a directory on the way; the passthrough opens
-            // its root with O_NOFOLLOW, which on the link itself would open the link (the
-            // guest then saw a root that is a symlink, and EIO below it).
-            host_dir: PathBuf::from(format!("/proc/self/fd/{}/.", fd.as_raw_fd())),
-        }),
-        _ => None,
-    };
+    // The share is served by its path, which the jail's root holds: the process's own copy
+    // of the host's share mount (a slave of it, so the containers' files the shim mounts
+    // there later appear), mounted at the same path. The file server opens its root and
+    // /proc/self/fd after the jail (`VirtioFs::open_backend`), so `..` from either stops at
+    // the jail's root (docs/security.md, "The share in the VMM process").
+    cfg.shared_fs = desc.shared_fs.as_ref().map(|s| SharedFsConfig {
+        tag: s.tag.clone(),
+        host_dir: s.host_dir.clone(),
+    });
     for n in &desc.nets {
         cfg.nets.push(NetConfig {
             tap: take_fd(n.fd, channel_fd, &mut taken)?,
@@ -805,8 +785,15 @@ fn run(
         // Template files are as large as the initrd's files and the kernel text.
         limits.file_size = None;
     }
+    let share_dir = desc.shared_fs.as_ref().map(|s| s.host_dir.clone());
     let jail = || -> Result<(), VmmError> {
         enter_namespaces()?;
+        // The share is cloned from this namespace's copy of it, a slave of the host's mount
+        // since `enter_namespaces`: the clone is a slave too (the host's later mounts under it
+        // reach it, nothing goes back), never a peer of the host's.
+        if let Some(dir) = &share_dir {
+            trees.push((dir.clone(), detached_tree(dir)?));
+        }
         let mounts: Vec<(&Path, &OwnedFd)> = trees.iter().map(|(p, t)| (p.as_path(), t)).collect();
         pivot_to_root_holding(&mount_point, &mounts, serves_fs)?;
         set_limits(&limits)?;
@@ -820,8 +807,6 @@ fn run(
     };
     let handle = Vm::start_then(cfg, jail)?;
     handle.keep_devices_after_end();
-    // Served through /proc/self/fd/<n> for as long as the process lives.
-    std::mem::forget(share_fd);
     let control = ThreadFilter::new(Role::Control, Needs::default())?;
     std::thread::scope(|scope| -> Result<Never, ServeError> {
         // The page sharing passes run on a thread of their own under their filter: the control
