@@ -416,8 +416,7 @@ mod tests {
         let info = fs::read_to_string("/proc/self/mountinfo").unwrap();
         let line = info
             .lines()
-            .filter(|l| l.split(' ').nth(4) == Some(at.to_str().unwrap()))
-            .next_back()
+            .rfind(|l| l.split(' ').nth(4) == Some(at.to_str().unwrap()))
             .unwrap_or_default()
             .to_string();
         line.split(' ')

@@ -9,12 +9,13 @@
 //! inherited through `execve`, every other descriptor of the embedder is close-on-exec), and
 //! sends the requests of a running VM. The VMM process's half is [`serve`]: it takes the
 //! descriptors the description names and closes every other, opens the VM's host files (the
-//! kernel, the initrd, `/dev/kvm`, the console log, the vsock socket, VFIO devices, the shared
-//! directory) and builds its devices, then, still before any thread of the VM exists
-//! ([`crate::Vm::start_then`]): new mount, IPC, UTS and network namespaces, `pivot_root` into
-//! an empty read-only tmpfs that holds only the VM's work folder (vsock's guest-to-host sockets)
-//! and the page templates' folder at their own paths, the limits, the capabilities the virtio-fs
-//! server needs (none without a shared directory), `no_new_privs`. Then the VM's threads start
+//! kernel, the initrd, `/dev/kvm`, the console log, the vsock socket, VFIO devices) and builds
+//! its devices, then, still before any thread of the VM exists ([`crate::Vm::start_then`]): new
+//! mount, IPC, UTS and network namespaces, `pivot_root` into an empty read-only tmpfs that holds
+//! only the VM's work folder (vsock's guest-to-host sockets), the page templates' folder and its
+//! own slave copy of the shared directory, each at its own path, the limits, the capabilities
+//! the virtio-fs server needs (none without a shared directory), `no_new_privs`; the virtio-fs
+//! server is opened then, inside that root. Then the VM's threads start
 //! under their filters, a page sharing thread installs its filter, and the main thread installs
 //! the control filter and serves the channel until the VM ends; it then says how
 //! (`Ended`) and exits.
