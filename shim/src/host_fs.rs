@@ -47,6 +47,10 @@ pub enum Propagation {
     Private,
     /// Mounts made later under the source (on the host) propagate in; nothing goes back.
     Slave,
+    /// A member of a peer group (a new one, if the mount was private): mounts made under it
+    /// propagate to its peers and slaves (copies made later, by `open_tree`, a bind or a new
+    /// mount namespace), and unmounts too.
+    Shared,
 }
 
 /// A relative path made of plain names only (no `/` at the start, no `.` or `..`), as every
@@ -312,6 +316,7 @@ pub fn set_mount_attrs(
             None => 0,
             Some(Propagation::Private) => libc::MS_PRIVATE,
             Some(Propagation::Slave) => libc::MS_SLAVE,
+            Some(Propagation::Shared) => libc::MS_SHARED,
         },
         userns_fd: 0,
     };

@@ -115,11 +115,18 @@ impl Vm {
                 .map_err(|e| VmmError::Device(format!("vsock on {}: {e}", v.uds_path.display())))?;
             devices.attach_virtio_device(&vm, &mem, Arc::new(Mutex::new(dev)))?;
         }
-        if let Some(fs) = &cfg.shared_fs {
-            let dev = VirtioFs::new(&fs.tag, &fs.host_dir)
-                .map_err(|e| VmmError::Device(format!("virtio-fs {:?}: {e}", fs.tag)))?;
-            devices.attach_virtio_device(&vm, &mem, Arc::new(Mutex::new(dev)))?;
-        }
+        // The file server is opened after `before_threads` (the jail of a VMM process): it
+        // opens its root and /proc/self/fd by path then, inside the process's root.
+        let shared_fs = match &cfg.shared_fs {
+            Some(fs) => {
+                let dev = VirtioFs::without_backend(&fs.tag, &fs.host_dir)
+                    .map_err(|e| VmmError::Device(format!("virtio-fs {:?}: {e}", fs.tag)))?;
+                let dev = Arc::new(Mutex::new(dev));
+                devices.attach_virtio_device(&vm, &mem, dev.clone())?;
+                Some(dev)
+            }
+            None => None,
+        };
         for (i, net) in std::mem::take(&mut cfg.nets).into_iter().enumerate() {
             let dev = Tap::new(net.tap)
                 .map_err(Into::into)
@@ -280,6 +287,12 @@ impl Vm {
             (None, None)
         };
         before_threads()?;
+        if let Some(dev) = &shared_fs {
+            let mut dev = dev.lock().unwrap_or_else(|p| p.into_inner());
+            dev.open_backend()
+                .map_err(|e| VmmError::Device(format!("virtio-fs {:?}: {e}", dev.tag())))?;
+        }
+        drop(shared_fs);
         let mut running = new_running();
         running.mem = Some(mem);
         // The buses (and through them every device) outlive the VM's threads: a device's last

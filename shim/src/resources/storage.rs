@@ -137,8 +137,9 @@ impl PodShare {
                 source: io::Error::other("the skeleton tmpfs is not mounted there"),
             });
         }
-        // Private: what the shim mounts under it later is not copied into other namespaces
-        // (on a host whose root is a shared mount, the new mount joined its peer group).
+        // Private first: out of the peer group of its parent (on a host whose root is a
+        // shared mount, the new mount joined it), so nothing mounted elsewhere on the host
+        // reaches the share and nothing mounted under it spreads to the host's other mounts.
         host_fs::set_mount_attrs(
             export.as_fd(),
             MountAttrFlags::empty(),
@@ -146,8 +147,23 @@ impl PodShare {
             false,
         )
         .map_err(io_err("making private", path))?;
+        // The writable clone stays private: nothing mounted under the export reaches it.
         let writable = host_fs::clone_mount(export.as_fd())
             .map_err(io_err("cloning the skeleton of", path))?;
+        // Then shared, this mount only: a peer group of its own, with no peer yet. A VMM
+        // process's copy of it (made a slave in its own mount namespace and mounted in its
+        // root: vmm::jail::split) gets what the shim mounts under it later (containers' files)
+        // and their unmounts; and a mount namespace made on the host while the pod lives (and
+        // made a slave, as systemd's services are) loses the pod's mounts when the shim
+        // unmounts them, so it never pins them (docs/security.md, "The share in the VMM
+        // process").
+        host_fs::set_mount_attrs(
+            export.as_fd(),
+            MountAttrFlags::empty(),
+            Some(Propagation::Shared),
+            false,
+        )
+        .map_err(io_err("making shared", path))?;
         host_fs::set_mount_attrs(
             export.as_fd(),
             MountAttrFlags::MOUNT_ATTR_RDONLY,
@@ -393,6 +409,81 @@ mod tests {
         assert!(std::os::unix::fs::symlink("/etc", shared.join("c9")).is_err());
         assert!(fs::write(shared.join("fill"), vec![0u8; 4096]).is_err());
         p.state.cleanup().unwrap();
+    }
+
+    /// The optional fields (`shared:N`, `master:N`) mountinfo shows for mount point `at`.
+    fn propagation_of(at: &Path) -> Vec<String> {
+        let info = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let line = info
+            .lines()
+            .rfind(|l| l.split(' ').nth(4) == Some(at.to_str().unwrap()))
+            .unwrap_or_default()
+            .to_string();
+        line.split(' ')
+            .skip(6)
+            .take_while(|f| *f != "-")
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn the_share_is_a_peer_group_of_its_own_and_its_later_mounts_reach_a_copy_of_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        // A parent that is itself shared (as / and /run are on a systemd host): the share
+        // leaves its group.
+        rustix::mount::mount_bind(tmp.path(), tmp.path()).unwrap();
+        rustix::mount::mount_change(tmp.path(), rustix::mount::MountPropagationFlags::SHARED)
+            .unwrap();
+        let parent = propagation_of(tmp.path());
+        let state = StateDir::new(tmp.path(), "pod").unwrap();
+        state.create(std::process::id()).unwrap();
+        let share = PodShare::create(&state).unwrap();
+        let own = propagation_of(share.path());
+        assert_eq!(own.len(), 1, "{own:?}");
+        assert!(own[0].starts_with("shared:"), "{own:?}");
+        assert!(
+            !parent.contains(&own[0]),
+            "{own:?} is its parent's {parent:?}"
+        );
+        // A copy taken now and made a slave (as a VMM process takes its own and mounts it in
+        // its root) gets the mounts made later. (A detached copy, in no namespace, would not.)
+        let copy_at = tempfile::tempdir().unwrap();
+        let copy_tree = host_fs::clone_tree(share.path()).unwrap();
+        host_fs::set_mount_attrs(
+            copy_tree.as_fd(),
+            MountAttrFlags::empty(),
+            Some(Propagation::Slave),
+            true,
+        )
+        .unwrap();
+        let copy_target = host_fs::open_root_dir(copy_at.path()).unwrap();
+        host_fs::attach(copy_tree.as_fd(), copy_target.as_fd()).unwrap();
+        let copy = host_fs::open_root_dir(copy_at.path()).unwrap();
+        assert!(propagation_of(copy_at.path())[0].starts_with("master:"));
+        share
+            .share_container(
+                "c1",
+                &[RootfsMount {
+                    fs_type: "tmpfs".into(),
+                    source: "tmpfs".into(),
+                    options: vec!["size=64k".into()],
+                }],
+                Path::new("/nonexistent"),
+                &[],
+            )
+            .unwrap();
+        fs::write(share.path().join("c1/rootfs/f"), "x").unwrap();
+        let seen = host_fs::open_beneath(copy.as_fd(), Path::new("c1/rootfs/f"), OFlags::RDONLY);
+        assert!(seen.is_ok(), "the rootfs did not reach the copy: {seen:?}");
+        drop(seen);
+        share.unshare_container("c1").unwrap();
+        let gone = host_fs::open_beneath(copy.as_fd(), Path::new("c1/rootfs/f"), OFlags::RDONLY);
+        assert!(gone.is_err(), "the unmount did not reach the copy");
+        drop(copy);
+        rustix::mount::unmount(copy_at.path(), rustix::mount::UnmountFlags::DETACH).unwrap();
+        drop(share);
+        state.cleanup().unwrap();
+        rustix::mount::unmount(tmp.path(), rustix::mount::UnmountFlags::DETACH).unwrap();
     }
 
     #[test]

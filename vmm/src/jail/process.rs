@@ -4,7 +4,8 @@
 //! only the shared directory, and the capabilities the virtio-fs server keeps.
 //!
 //! Order matters and is the caller's: open every host resource first (the VM's devices are
-//! built from descriptors, the virtio-fs server opens `/proc/self/fd` when it is created),
+//! built from descriptors; the virtio-fs server, which opens `/proc/self/fd` and its root by
+//! path, is opened after the jail, so that its descriptors lie inside the new root),
 //! then [`enter_namespaces`], [`pivot_to_empty_root`], [`set_limits`], [`keep_capabilities`]
 //! and [`set_no_new_privs`], all on the main thread before any other thread exists (threads
 //! inherit all of it), and only then start the VM's threads, which add their seccomp filters.
@@ -197,8 +198,11 @@ pub fn pivot_to_empty_root(
 }
 
 /// A detached copy of the directory at `path` (a bind mount of it, with the mounts under it),
-/// to be mounted in the empty root by [`pivot_to_root_holding`]. Take it before
-/// [`enter_namespaces`], as [`detached_share`].
+/// to be mounted in the empty root by [`pivot_to_root_holding`]. Taken before
+/// [`enter_namespaces`], it copies the host's mounts (a copy of a shared mount is its peer
+/// until the new root is made a slave); taken after, this namespace's copies of them, which
+/// are slaves of the host's: the share is taken so ([`super::split`]), so that the host's later
+/// mounts under it reach the copy and nothing goes back.
 pub fn detached_tree(path: &Path) -> Result<OwnedFd, ProcessJailError> {
     open_tree(
         rustix::fs::CWD,

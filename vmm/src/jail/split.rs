@@ -9,12 +9,13 @@
 //! inherited through `execve`, every other descriptor of the embedder is close-on-exec), and
 //! sends the requests of a running VM. The VMM process's half is [`serve`]: it takes the
 //! descriptors the description names and closes every other, opens the VM's host files (the
-//! kernel, the initrd, `/dev/kvm`, the console log, the vsock socket, VFIO devices, the shared
-//! directory) and builds its devices, then, still before any thread of the VM exists
-//! ([`crate::Vm::start_then`]): new mount, IPC, UTS and network namespaces, `pivot_root` into
-//! an empty read-only tmpfs that holds only the VM's work folder (vsock's guest-to-host sockets)
-//! and the page templates' folder at their own paths, the limits, the capabilities the virtio-fs
-//! server needs (none without a shared directory), `no_new_privs`. Then the VM's threads start
+//! kernel, the initrd, `/dev/kvm`, the console log, the vsock socket, VFIO devices) and builds
+//! its devices, then, still before any thread of the VM exists ([`crate::Vm::start_then`]): new
+//! mount, IPC, UTS and network namespaces, `pivot_root` into an empty read-only tmpfs that holds
+//! only the VM's work folder (vsock's guest-to-host sockets), the page templates' folder and its
+//! own slave copy of the shared directory, each at its own path, the limits, the capabilities
+//! the virtio-fs server needs (none without a shared directory), `no_new_privs`; the virtio-fs
+//! server is opened then, inside that root. Then the VM's threads start
 //! under their filters, a page sharing thread installs its filter, and the main thread installs
 //! the control filter and serves the channel until the VM ends; it then says how
 //! (`Ended`) and exits.
@@ -632,6 +633,19 @@ enum ShareRequest {
 /// when the VM ran, it never returns (the process exits without dropping the VM: a confined
 /// thread may not remove its socket file, and the embedder removes the work folder).
 pub fn serve(channel_fd: &str) -> i32 {
+    serve_with(channel_fd, None)
+}
+
+/// Code an embedder runs in its VMM process on a thread of its own ([`serve_with`]).
+pub type ExtraThread = Box<dyn FnOnce() + Send + 'static>;
+
+/// [`serve`], with `extra` run on a thread of its own once the VM runs, in the jail (the
+/// process's namespaces, root, limits, capabilities and `no_new_privs`), started before the
+/// control thread installs its filter (which forbids starting threads); the thread has no
+/// filter but what `extra` installs. The product binary passes none: the jail's tests play a
+/// hijacked thread of the VM there, under that thread's filter
+/// (shim/tests/kvm_vmm_process_climb.rs).
+pub fn serve_with(channel_fd: &str, extra: Option<ExtraThread>) -> i32 {
     let Ok(fd) = channel_fd.parse::<RawFd>() else {
         eprintln!("vmm: {}", ServeError::ChannelFd(channel_fd.into()));
         return 2;
@@ -643,7 +657,7 @@ pub fn serve(channel_fd: &str) -> i32 {
     }
     // SAFETY: the embedder handed this descriptor (its end of the channel) to us alone.
     let channel = Channel::from_fd(unsafe { OwnedFd::from_raw_fd(fd) });
-    match run(&channel, fd) {
+    match run(&channel, fd, extra) {
         Ok(never) => match never {},
         Err(e) => {
             log::error!("vmm: {e}");
@@ -660,7 +674,11 @@ pub fn serve(channel_fd: &str) -> i32 {
 
 enum Never {}
 
-fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
+fn run(
+    channel: &Channel,
+    channel_fd: RawFd,
+    extra: Option<ExtraThread>,
+) -> Result<Never, ServeError> {
     let description = match channel.recv()? {
         (Message::Start { description }, _) => description,
         _ => return Err(ServeError::NoStart),
@@ -690,35 +708,15 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
         guest_cid: v.guest_cid,
         uds_path: v.uds_path.clone(),
     });
-    // The share is served from a descriptor of the host's mount of it, opened here, reached
-    // through /proc/self/fd (a procfs of this process's own is mounted in the new root): the
-    // shim mounts containers' files under the share later, and only the host's mount (a private
-    // one) sees them (docs/security.md says what this leaves open).
-    let share_fd = match &desc.shared_fs {
-        Some(s) => Some(
-            rustix::fs::open(
-                &s.host_dir,
-                rustix::fs::OFlags::RDONLY
-                    | rustix::fs::OFlags::DIRECTORY
-                    | rustix::fs::OFlags::CLOEXEC,
-                rustix::fs::Mode::empty(),
-            )
-            .map_err(|e| {
-                ServeError::Description(format!("the share {}: {e}", s.host_dir.display()))
-            })?,
-        ),
-        None => None,
-    };
-    cfg.shared_fs = match (&desc.shared_fs, &share_fd) {
-        (Some(s), Some(fd)) => Some(SharedFsConfig {
-            tag: s.tag.clone(),
-            // `/.`: the magic link is followed as a directory on the way; the passthrough opens
-            // its root with O_NOFOLLOW, which on the link itself would open the link (the
-            // guest then saw a root that is a symlink, and EIO below it).
-            host_dir: PathBuf::from(format!("/proc/self/fd/{}/.", fd.as_raw_fd())),
-        }),
-        _ => None,
-    };
+    // The share is served by its path, which the jail's root holds: the process's own copy
+    // of the host's share mount (a slave of it, so the containers' files the shim mounts
+    // there later appear), mounted at the same path. The file server opens its root and
+    // /proc/self/fd after the jail (`VirtioFs::open_backend`), so `..` from either stops at
+    // the jail's root (docs/security.md, "The share in the VMM process").
+    cfg.shared_fs = desc.shared_fs.as_ref().map(|s| SharedFsConfig {
+        tag: s.tag.clone(),
+        host_dir: s.host_dir.clone(),
+    });
     for n in &desc.nets {
         cfg.nets.push(NetConfig {
             tap: take_fd(n.fd, channel_fd, &mut taken)?,
@@ -788,8 +786,15 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
         // Template files are as large as the initrd's files and the kernel text.
         limits.file_size = None;
     }
+    let share_dir = desc.shared_fs.as_ref().map(|s| s.host_dir.clone());
     let jail = || -> Result<(), VmmError> {
         enter_namespaces()?;
+        // The share is cloned from this namespace's copy of it, a slave of the host's mount
+        // since `enter_namespaces`: the clone is a slave too (the host's later mounts under it
+        // reach it, nothing goes back), never a peer of the host's.
+        if let Some(dir) = &share_dir {
+            trees.push((dir.clone(), detached_tree(dir)?));
+        }
         let mounts: Vec<(&Path, &OwnedFd)> = trees.iter().map(|(p, t)| (p.as_path(), t)).collect();
         pivot_to_root_holding(&mount_point, &mounts, serves_fs)?;
         set_limits(&limits)?;
@@ -803,8 +808,6 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
     };
     let handle = Vm::start_then(cfg, jail)?;
     handle.keep_devices_after_end();
-    // Served through /proc/self/fd/<n> for as long as the process lives.
-    std::mem::forget(share_fd);
     let control = ThreadFilter::new(Role::Control, Needs::default())?;
     std::thread::scope(|scope| -> Result<Never, ServeError> {
         // The page sharing passes run on a thread of their own under their filter: the control
@@ -823,6 +826,12 @@ fn run(channel: &Channel, channel_fd: RawFd) -> Result<Never, ServeError> {
             "embedded vmm on /dev/kvm in its own process, {} entry",
             handle.boot_entry()
         );
+        if let Some(extra) = extra {
+            std::thread::Builder::new()
+                .name("vmm-extra".into())
+                .spawn(extra)
+                .map_err(io("spawn the embedder's extra thread"))?;
+        }
         control.install()?;
         channel.send(&Message::Started { detail }, &[])?;
         serve_requests(channel, handle, &share_tx);

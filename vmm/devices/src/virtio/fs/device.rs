@@ -42,14 +42,32 @@ pub struct VirtioFs {
     host_dir: PathBuf,
     config: [u8; CONFIG_SIZE],
     state: DeviceState,
-    fs: Arc<HostPolicy<PassthroughFs<()>>>,
-    server: FsServer,
+    /// The file server, once [`VirtioFs::open_backend`] made it (its root and `/proc/self/fd`
+    /// are opened then, by path: in a jailed VMM, after the jail, so that every descriptor it
+    /// holds lies inside the process's root).
+    backend: Option<Backend>,
     stats: FsStats,
 }
 
+struct Backend {
+    fs: Arc<HostPolicy<PassthroughFs<()>>>,
+    server: FsServer,
+}
+
 impl VirtioFs {
-    /// A device exporting `host_dir` under `tag` (what the guest passes to `mount -t virtiofs`).
+    /// A device exporting `host_dir` under `tag` (what the guest passes to `mount -t virtiofs`),
+    /// its file server opened at once.
     pub fn new(tag: &str, host_dir: &Path) -> Result<Self, FsError> {
+        let mut dev = Self::without_backend(tag, host_dir)?;
+        dev.open_backend()?;
+        Ok(dev)
+    }
+
+    /// A device exporting `host_dir` under `tag` whose file server is not opened yet: the
+    /// embedder calls [`VirtioFs::open_backend`] before any thread can serve a queue (a jailed
+    /// VMM after its jail, where `host_dir` is the share's path inside its root). `host_dir` is
+    /// checked here; until then, requests are left unanswered.
+    pub fn without_backend(tag: &str, host_dir: &Path) -> Result<Self, FsError> {
         validate_tag(tag)?;
         let host_err = |reason: String| FsError::HostDir {
             path: host_dir.to_owned(),
@@ -60,24 +78,10 @@ impl VirtioFs {
             return Err(host_err("not a directory".into()));
         }
         std::fs::read_dir(host_dir).map_err(|e| host_err(format!("cannot be read: {e}")))?;
-        let root_dir = host_dir
+        host_dir
             .to_str()
             .filter(|s| !s.contains('\0'))
-            .ok_or_else(|| host_err("the path is not valid UTF-8".into()))?
-            .to_owned();
-        let cfg = Config {
-            root_dir,
-            // The root inode is imported by the guest's INIT (and again after a reset).
-            do_import: true,
-            xattr: false,
-            ..Default::default()
-        };
-        let passthrough = PassthroughFs::<()>::new(cfg).map_err(|source| FsError::Backend {
-            path: host_dir.to_owned(),
-            source,
-        })?;
-        let fs = Arc::new(HostPolicy::new(passthrough));
-        let server = Server::new(fs.clone());
+            .ok_or_else(|| host_err("the path is not valid UTF-8".into()))?;
         let state = DeviceState::new(
             "virtio-fs",
             device_type::FS,
@@ -93,10 +97,38 @@ impl VirtioFs {
             host_dir: host_dir.to_owned(),
             config,
             state,
-            fs,
-            server,
+            backend: None,
             stats: FsStats::default(),
         })
+    }
+
+    /// Makes the file server (once; again is a no-op): it opens `/proc/self/fd` now, from the
+    /// procfs this process sees now, and the root (`host_dir`, by path) at the guest's INIT.
+    pub fn open_backend(&mut self) -> Result<(), FsError> {
+        if self.backend.is_some() {
+            return Ok(());
+        }
+        let backend_err = |source| FsError::Backend {
+            path: self.host_dir.clone(),
+            source,
+        };
+        let root_dir = self
+            .host_dir
+            .to_str()
+            .ok_or_else(|| backend_err(std::io::Error::other("the path is not valid UTF-8")))?
+            .to_owned();
+        let cfg = Config {
+            root_dir,
+            // The root inode is imported by the guest's INIT (and again after a reset).
+            do_import: true,
+            xattr: false,
+            ..Default::default()
+        };
+        let passthrough = PassthroughFs::<()>::new(cfg).map_err(backend_err)?;
+        let fs = Arc::new(HostPolicy::new(passthrough));
+        let server = Server::new(fs.clone());
+        self.backend = Some(Backend { fs, server });
+        Ok(())
     }
 
     /// The tag the guest mounts.
@@ -112,7 +144,7 @@ impl VirtioFs {
     /// What the device has done so far.
     pub fn stats(&self) -> FsStats {
         FsStats {
-            refused_by_policy: self.fs.refused(),
+            refused_by_policy: self.backend.as_ref().map_or(0, |b| b.fs.refused()),
             ..self.stats
         }
     }
@@ -125,7 +157,11 @@ impl VirtioFs {
         if let Err(e) = policy::confine_serving_thread() {
             log::warn!("virtio-fs: {e}");
         }
-        let (server, stats) = (&self.server, &mut self.stats);
+        let Some(backend) = &self.backend else {
+            log::warn!("virtio-fs: queue {queue} served before the file server was opened");
+            return;
+        };
+        let (server, stats) = (&backend.server, &mut self.stats);
         self.state.serve_queue(queue, |mem, chain| {
             let head = chain.head_index();
             let outcome = handle_request(server, mem, chain);
@@ -167,6 +203,8 @@ impl VirtioDevice for VirtioFs {
 
     fn on_reset(&mut self) {
         // Forget the guest's inodes and open handles; the next INIT starts afresh.
-        self.fs.destroy();
+        if let Some(b) = &self.backend {
+            b.fs.destroy();
+        }
     }
 }

@@ -1,0 +1,335 @@
+//! The pod's share in a VMM process of its own (vmm::jail::split), attacked from inside: a
+//! thread of the confined process, under the device loop's real filter with the virtio-fs
+//! server's list (what a guest that takes over the file server holds), tries `openat(fd,
+//! "../../…/<marker>")` from every directory descriptor of the process (the file server's
+//! `/proc/self/fd` among them) and from the share's root opened by the path the file server
+//! opens it by, to reach a marker file on the host outside the share. Then the share's
+//! propagation: a container's rootfs the shim mounts under the share after the VM started
+//! appears in the VMM's root and goes when the shim unmounts it, and a mount namespace made on
+//! the host while the pod lives (a slave, as systemd's services are) keeps none of the pod's
+//! mounts after the pod is gone. Needs root, /dev/kvm and the built test guests.
+//!
+//! `harness = false`: this executable is also the VMM process (`<exe> __vmm <fd> <work>`), so
+//! that the attacking thread runs in it ([`vmm::jail::split::serve_with`]); the product binary
+//! has no such thread.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use shim::resources::storage::{PodShare, RootfsMount};
+use shim::state::StateDir;
+use vmm::jail::split::{SharedFsDescription, VmDescription, VmmProcess, VsockDescription};
+use vmm::jail::{Needs, Role, ThreadFilter};
+
+/// The marker file the attacker wants (an absolute host path), given to the VMM process.
+const MARKER_ENV: &str = "MICROVM_TEST_CLIMB_MARKER";
+/// The share's path, which the file server opens its root by.
+const SHARE_ENV: &str = "MICROVM_TEST_CLIMB_SHARE";
+/// What the attacking thread found, in the work folder.
+const RESULT: &str = "climb.txt";
+const MARKER_TEXT: &str = "a host file outside the share";
+
+// ---- In the VMM process ----
+
+/// The attacker: install the file server's filter, then climb from every directory descriptor
+/// and from the share's root, and write what each attempt gave to `<work>/climb.txt`.
+fn climb(work: PathBuf, marker: PathBuf, share: PathBuf) {
+    let mut out = String::new();
+    let filter = ThreadFilter::new(
+        Role::DeviceLoop,
+        Needs {
+            vfio: false,
+            shared_fs: true,
+        },
+    );
+    match filter.map(|f| f.install()) {
+        Ok(Ok(())) => {}
+        other => {
+            let _ = std::fs::write(work.join(RESULT), format!("filter {other:?}\n"));
+            return;
+        }
+    }
+    let up = "../".repeat(64);
+    let target = format!("{up}{}", marker.strip_prefix("/").unwrap().display());
+    let try_from = |fd: BorrowedFd<'_>, label: &str, out: &mut String| {
+        let kind = match rustix::fs::fstatfs(fd) {
+            Ok(s) if s.f_type == libc::PROC_SUPER_MAGIC => "proc",
+            Ok(_) => "dir",
+            Err(e) => {
+                out.push_str(&format!("{label} fstatfs {e}\n"));
+                return;
+            }
+        };
+        match rustix::fs::openat(
+            fd,
+            target.as_str(),
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ) {
+            Ok(f) => {
+                let mut buf = [0u8; 64];
+                let n = rustix::io::read(&f, &mut buf).unwrap_or(0);
+                out.push_str(&format!(
+                    "{label} {kind} reached {}\n",
+                    String::from_utf8_lossy(&buf[..n])
+                ));
+            }
+            Err(e) => out.push_str(&format!("{label} {kind} refused {e}\n")),
+        }
+    };
+    for n in 0..1024 {
+        // SAFETY: only fstat through a borrowed number; a closed number gives EBADF.
+        let fd = unsafe { BorrowedFd::borrow_raw(n) };
+        match rustix::fs::fstat(fd) {
+            Ok(st) if rustix::fs::FileType::from_raw_mode(st.st_mode).is_dir() => {
+                try_from(fd, &format!("fd{n}"), &mut out)
+            }
+            _ => {}
+        }
+    }
+    // The file server's root: it opens the share by this path at the guest's INIT.
+    match rustix::fs::openat(
+        rustix::fs::CWD,
+        &share,
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    ) {
+        Ok(root) => try_from(root.as_fd(), "share-root", &mut out),
+        Err(e) => out.push_str(&format!("share-root open {e}\n")),
+    }
+    out.push_str("done\n");
+    let _ = std::fs::write(work.join(RESULT), out);
+}
+
+fn vmm_main(args: &[String]) -> i32 {
+    let (Some(fd), Some(work)) = (args.get(2), args.get(3)) else {
+        return 2;
+    };
+    let marker = PathBuf::from(std::env::var_os(MARKER_ENV).expect("the marker"));
+    let share = PathBuf::from(std::env::var_os(SHARE_ENV).expect("the share"));
+    let work = PathBuf::from(work);
+    vmm::jail::split::serve_with(fd, Some(Box::new(move || climb(work, marker, share))))
+}
+
+// ---- The test ----
+
+fn guest(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../build/guests")
+        .join(format!("{name}.elf"));
+    assert!(
+        p.is_file(),
+        "{} is missing: make -C tests/guests",
+        p.display()
+    );
+    p
+}
+
+fn description(work: &Path, share: &Path) -> VmDescription {
+    VmDescription {
+        vcpus: 1,
+        memory_mib: 64,
+        kernel: guest("idle"),
+        console_log: work.join("console.log"),
+        console_log_bytes: 1 << 20,
+        work_dir: work.to_path_buf(),
+        vsock: Some(VsockDescription {
+            guest_cid: 3,
+            uds_path: work.join("vsock.sock"),
+        }),
+        shared_fs: Some(SharedFsDescription {
+            tag: "share".into(),
+            host_dir: share.to_path_buf(),
+        }),
+        ..VmDescription::default()
+    }
+}
+
+fn mounts_of(pid: &str) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap_or_default()
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A state root that is a shared mount (as `/run` is on a systemd host), so that the pod's
+/// share, mounted in it, is unmounted from namespaces made later too. Unmounted on drop.
+struct SharedRoot(tempfile::TempDir);
+
+impl SharedRoot {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        rustix::mount::mount_bind(p, p).unwrap();
+        rustix::mount::mount_change(p, rustix::mount::MountPropagationFlags::SHARED).unwrap();
+        SharedRoot(dir)
+    }
+}
+
+impl Drop for SharedRoot {
+    fn drop(&mut self) {
+        let _ = rustix::mount::unmount(self.0.path(), rustix::mount::UnmountFlags::DETACH);
+    }
+}
+
+/// The process holding the bystander namespace, killed on drop (a failed check included).
+struct Bystander(std::process::Child);
+
+impl Drop for Bystander {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates() {
+    let root = SharedRoot::new();
+    let state = StateDir::new(root.0.path(), "climb-pod").unwrap();
+    state.create(std::process::id()).unwrap();
+    let share = PodShare::create(&state).unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let marker = outside.path().join("marker");
+    std::fs::write(&marker, MARKER_TEXT).unwrap();
+    // SAFETY: set before any thread of this test exists (the harness is ours); the VMM
+    // process inherits the environment.
+    std::env::set_var(MARKER_ENV, &marker);
+    std::env::set_var(SHARE_ENV, share.path());
+
+    // A namespace made on the host while the pod lives, a slave of the host's mounts.
+    let bystander = Bystander(
+        Command::new("unshare")
+            .args(["--mount", "--propagation", "slave", "sleep", "120"])
+            .spawn()
+            .unwrap(),
+    );
+    let by_pid = bystander.0.id().to_string();
+    wait_until("the bystander's namespace", || {
+        std::fs::read_link(format!("/proc/{by_pid}/ns/mnt")).ok()
+            != std::fs::read_link("/proc/self/ns/mnt").ok()
+    });
+
+    let desc = description(work.path(), share.path());
+    let exe = std::env::current_exe().unwrap();
+    let mut vmm = VmmProcess::spawn(&exe, &desc, None, Duration::from_secs(30)).unwrap();
+    let pid = vmm.pid().to_string();
+    let result = work.path().join(RESULT);
+    wait_until("the attacker's report", || {
+        std::fs::read_to_string(&result).is_ok_and(|t| t.ends_with("done\n"))
+            || vmm.wait_timeout(Duration::ZERO).is_some()
+    });
+    assert!(
+        vmm.wait_timeout(Duration::ZERO).is_none(),
+        "the VMM process ended (a call outside the file server's filter?)"
+    );
+    let report = std::fs::read_to_string(&result).unwrap();
+    eprintln!("what the confined file server's thread reached:\n{report}");
+    assert!(
+        report.lines().any(|l| l.contains(" proc ")),
+        "the file server's /proc/self/fd was tried: {report}"
+    );
+    assert!(
+        report.lines().any(|l| l.starts_with("share-root ")),
+        "{report}"
+    );
+    assert!(
+        !report.contains("reached"),
+        "a descriptor of the VMM process leads out of its root to the host: {report}"
+    );
+
+    // A container's rootfs mounted under the share after the VM started reaches the VMM's
+    // copy; its unmount does too.
+    share
+        .share_container(
+            "c1",
+            &[RootfsMount {
+                fs_type: "tmpfs".into(),
+                source: "tmpfs".into(),
+                options: vec!["size=1m".into()],
+            }],
+            Path::new("/nonexistent"),
+            &[],
+        )
+        .unwrap();
+    let rootfs = share.path().join("c1/rootfs");
+    std::fs::write(rootfs.join("hello"), "from the host").unwrap();
+    let in_vmm = PathBuf::from(format!("/proc/{pid}/root"))
+        .join(rootfs.strip_prefix("/").unwrap())
+        .join("hello");
+    assert_eq!(
+        std::fs::read_to_string(&in_vmm).unwrap(),
+        "from the host",
+        "the container's rootfs in the VMM's root"
+    );
+    let rootfs_text = rootfs.display().to_string();
+    assert!(
+        mounts_of(&by_pid).contains(&rootfs_text),
+        "the bystander got the rootfs too"
+    );
+    share.unshare_container("c1").unwrap();
+    let c1 = share.path().join("c1").display().to_string();
+    wait_until("the rootfs to leave the VMM's namespace", || {
+        !mounts_of(&pid).contains(&c1)
+    });
+
+    // The pod goes: the VMM, then every mount of the state directory.
+    let end = vmm.stop(Duration::from_secs(10));
+    assert_eq!(end.exit, Ok(0), "{end:?}");
+    drop(share);
+    state.cleanup().unwrap();
+    let state_text = state.path().display().to_string();
+    let host = mounts_of("self");
+    assert!(!host.contains(&state_text), "left on the host: {host}");
+    let by = mounts_of(&by_pid);
+    drop(bystander);
+    assert!(
+        !by.contains(&state_text),
+        "a namespace made while the pod lived still holds its mounts: {by}"
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(vmm::jail::split::SUBCOMMAND) {
+        std::process::exit(vmm_main(&args));
+    }
+    const NAME: &str =
+        "a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates";
+    if args.iter().any(|a| a == "--list") {
+        println!("{NAME}: test");
+        return;
+    }
+    let filters: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with('-')).collect();
+    // `--test-threads N`, `--skip X` take a value: not filters.
+    let values: Vec<&String> = args
+        .windows(2)
+        .filter(|w| w[0] == "--test-threads" || w[0] == "--skip")
+        .map(|w| &w[1])
+        .collect();
+    let filters: Vec<&&String> = filters.iter().filter(|f| !values.contains(f)).collect();
+    if !filters.is_empty() && !filters.iter().any(|f| NAME.contains(f.as_str())) {
+        println!("running 0 tests");
+        println!("test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out");
+        return;
+    }
+    // The lines libtest prints, which the CI's count reads.
+    println!("running 1 test");
+    let outcome = std::panic::catch_unwind(
+        a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates,
+    );
+    if outcome.is_ok() {
+        println!("test {NAME} ... ok");
+        println!("test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out");
+    } else {
+        println!("test {NAME} ... FAILED");
+        println!("test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out");
+        std::process::exit(101);
+    }
+}
