@@ -2,6 +2,11 @@
 //! once as an ordinary process, once as PID 1 of fresh PID, mount and UTS namespaces (its init
 //! path: base mounts, hostname, reaper, and Shutdown's reboot(), which in a PID namespace ends
 //! only that namespace).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

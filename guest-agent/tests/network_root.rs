@@ -1,6 +1,11 @@
 //! ConfigureNetwork through the real agent binary and ttrpc, in a private network namespace
 //! (needs root and iproute2): the "guest NICs" are veth ends carrying the MACs; the result is
 //! read back with `ip -j`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
