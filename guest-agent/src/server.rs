@@ -167,16 +167,9 @@ mod tests {
     }
 
     #[test]
-    fn binds_vsock_when_the_kernel_has_it() {
-        // This host may or may not have AF_VSOCK; where it has, binding a free port must work.
-        // SAFETY: plain socket(2) probe; the fd is closed right away.
-        let probe = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM, 0) };
-        if probe < 0 {
-            eprintln!("skipped: no AF_VSOCK on this host");
-            return;
-        }
-        // SAFETY: `probe` is our open fd.
-        unsafe { libc::close(probe) };
+    fn binds_vsock_with_any_cid() {
+        // The host side of the project needs AF_VSOCK too (the shim's vsock listeners), so a
+        // host without it fails here rather than passing untested.
         let port = 40_000 + std::process::id() % 20_000;
         let (tx, _rx) = mpsc::channel();
         let server = start(&format!("vsock://-1:{port}"), test_service(tx))

@@ -5,6 +5,11 @@
 //! UTS namespaces and a root that holds only its work folder; a disk file and a tap-less VM's
 //! empty disk slot get attached through the channel; stop ends it, and kill -9 is reported as
 //! such. Needs root, /dev/kvm and the built test guests (build/guests).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::io::Write;
 use std::os::fd::AsRawFd;

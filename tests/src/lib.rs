@@ -1,5 +1,10 @@
 //! Test support shared by the integration tests, the benchmark, the demo and
 //! `microvm-test-guest` (the C test guests on the embedded VMM).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 pub mod containerd;
 pub mod cri;

@@ -3,6 +3,11 @@
 //! [`PrivateContainerd`] is dropped, so one failing test does not fail the leak checks of the
 //! tests after it. Needs root and containerd; runs on the default test backend (QEMU on hosts
 //! whose KVM cannot boot our guest).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::path::Path;
 use std::time::Duration;

@@ -5,6 +5,11 @@
 //!
 //! After each pod: no shim, QEMU, vhost-device-vsock or virtiofsd process, no state directory
 //! (/run/microvm/<pod-id>), no mount under it and no shim socket remain.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use microvm_tests::containerd::PrivateContainerd;
 use microvm_tests::cri::CriClient;

@@ -12,6 +12,11 @@
 //! The backend is `MICROVM_TEST_HYPERVISOR` (QEMU by default; the nested lane runs it on the
 //! embedded VMM: docs/nested-lane.md). Needs root, containerd, QEMU and vhost-device-vsock
 //! (scripts/install-deps.sh), and `make kernel initrd`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -14,6 +14,11 @@
 //!
 //! The backend is `MICROVM_TEST_HYPERVISOR` (QEMU by default). Needs root, containerd, losetup,
 //! QEMU and vhost-device-vsock (scripts/install-deps.sh), and `make kernel initrd`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -6,6 +6,11 @@
 //! vhost-device-vsock, `make kernel initrd`).
 //!
 //! After each test the pod is stopped and removed, and nothing of it may remain.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use microvm_tests::containerd::PrivateContainerd;
 use microvm_tests::cri::{container_config, CriClient, Pod};

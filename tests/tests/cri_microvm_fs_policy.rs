@@ -18,6 +18,11 @@
 //! The backend is `MICROVM_TEST_HYPERVISOR` (QEMU by default; `kvm` is the embedded VMM, run
 //! in the nested lane). Needs root, containerd, QEMU and vhost-device-vsock
 //! (scripts/install-deps.sh), and `make kernel initrd`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;

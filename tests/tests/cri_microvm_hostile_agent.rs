@@ -22,6 +22,11 @@
 //! embedded VMM: docs/nested-lane.md). Needs root, containerd, QEMU and vhost-device-vsock
 //! (scripts/install-deps.sh), `make kernel` and the hostile initrd
 //! (`guest-agent/build-initrd.sh --hostile-test-hooks`, or `MICROVM_HOSTILE_INITRD`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

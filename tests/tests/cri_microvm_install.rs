@@ -4,6 +4,11 @@
 //! that containerd runs a microvm pod through CRI on the backend install chose, and
 //! `microvm uninstall` leaves the config byte for byte as it was and nothing of ours behind.
 //! Needs root and the network to Debian's mirror on the first run (the packages are cached).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

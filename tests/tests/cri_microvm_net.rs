@@ -8,6 +8,11 @@
 //!
 //! Needs root, containerd, the CNI plugins, iptables (portmap), QEMU and vhost-device-vsock
 //! (scripts/install-deps.sh), and `make kernel initrd`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::collections::HashMap;
 use std::io::{Read, Write};

@@ -9,6 +9,11 @@
 //! maps files of its own and holds none of those pages (read from the shims' /proc/<pid>/maps
 //! and /proc/<pid>/pagemap). The kernel text template is captured once, by a VM that saw no pod
 //! input, and no pod maps the captured file itself.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use microvm_tests::containerd::PrivateContainerd;
 use microvm_tests::cri::CriClient;

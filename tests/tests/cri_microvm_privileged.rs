@@ -19,6 +19,11 @@
 //! The backend is `MICROVM_TEST_HYPERVISOR` (QEMU by default; `kvm`: the embedded VMM, the nested
 //! lane). Needs root, containerd, losetup, QEMU and vhost-device-vsock (scripts/install-deps.sh),
 //! and `make kernel initrd`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;

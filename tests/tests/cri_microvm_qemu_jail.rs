@@ -10,6 +10,11 @@
 //! virtiofsd (root: it serves the guest's files as their owners): its own seccomp filter,
 //! `NoNewPrivs: 1`, only the capabilities it keeps, its root the pod's shared folder, and its
 //! own network, IPC and UTS namespaces.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -8,6 +8,11 @@
 //!
 //! The test names start with `shim_sandboxer_`: scripts/run-tests.sh runs them in its
 //! containerd 2.1 section only (`--skip shim_sandboxer_` elsewhere).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

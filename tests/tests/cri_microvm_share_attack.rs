@@ -22,6 +22,11 @@
 //! Against the shim before the read-only skeleton (commit 5c9e26a), this test fails at its
 //! first check: the first victim's volume, data file, hosts, resolv.conf, hostname and /dev/shm
 //! were bind-mounted into the canary directory on the host and left there.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use microvm_tests::cri::container_config;
 use microvm_tests::cri::read_cri_log;

@@ -9,6 +9,11 @@
 //! `microvm check-host` says so (the nested lane here, docs/nested-lane.md), hence `#[ignore]`
 //! where make test runs the pod suites on QEMU. Needs root, containerd, and `make kernel
 //! initrd`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -1,6 +1,11 @@
 //! The containerd test harness proven with runc: a private containerd (needs root, Debian's
 //! containerd, runc and CNI plugins: scripts/install-deps.sh) driven through CRI with the `runc`
 //! handler. The `microvm` handler's tests reuse the same harness.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use microvm_tests::containerd::{pid_alive, ContainerdOptions, PrivateContainerd};
 use microvm_tests::cri::{container_config, read_cri_log, CriClient};

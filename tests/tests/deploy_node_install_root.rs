@@ -7,6 +7,11 @@
 //! the shim on PATH, the readiness file), keep running, and on SIGTERM (the pod's deletion)
 //! uninstall: the config byte for byte as before and nothing of ours left on the node.
 //! Needs root (mounts in a private mount namespace made by `unshare`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -8,6 +8,11 @@
 //!
 //! Needs /dev/kvm and the guest built (`make -C tests/guests OUT=$PWD/build/guests`;
 //! `MICROVM_GUEST_DIR` overrides where it is looked for).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;

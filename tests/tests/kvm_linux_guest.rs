@@ -7,6 +7,11 @@
 //! prints check-host's reason and counts them as skipped. They are `#[ignore]`d so that a plain
 //! `cargo test` on such a host does not report them as passed; run them with `--include-ignored`.
 //! Each test also re-checks the host itself and fails (never passes) if it cannot boot the guest.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::path::PathBuf;
 use std::time::Duration;

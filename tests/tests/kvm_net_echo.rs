@@ -10,6 +10,11 @@
 //!
 //! Needs root, `ip` (iproute2), /dev/net/tun, /dev/kvm and the guest built (`make -C
 //! tests/guests OUT=$PWD/build/guests`; `MICROVM_GUEST_DIR` overrides where it is looked for).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::ffi::CString;
 use std::io;

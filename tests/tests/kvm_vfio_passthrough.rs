@@ -13,6 +13,11 @@
 //! `MICROVM_TEST_VFIO_DEVICE` (its sysfs path) with `MICROVM_TEST_VFIO_ID` (vendor:device).
 //! The test is `#[ignore]`d so a plain `cargo test` does not count it; without those variables it
 //! fails, it never passes vacuously.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::io::Write;
 use std::path::PathBuf;

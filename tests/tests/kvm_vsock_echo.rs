@@ -5,6 +5,11 @@
 //!
 //! Needs the guest built (`make guests`, or `make -C tests/guests`; `MICROVM_GUEST_DIR`
 //! overrides where it is looked for) and /dev/kvm; without them the tests fail with the reason.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::path::PathBuf;
 use std::thread;

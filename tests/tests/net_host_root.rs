@@ -3,6 +3,11 @@
 //! a "peer" netns playing the host's bridge. Frames go both ways between the peer end and the
 //! tap fd through the tc redirects; teardown (also from the record alone, as after a crash)
 //! leaves the pod netns as CNI made it.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;

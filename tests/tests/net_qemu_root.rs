@@ -5,6 +5,11 @@
 //! the pod's IPv4 and IPv6 addresses, which now answer from inside the guest.
 //!
 //! The tap reaches QEMU through the QEMU backend's `QemuConfig::nics`, as in a pod.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::net::IpAddr;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};

@@ -5,6 +5,11 @@
 //! `Shutdown` makes QEMU exit by itself. Nothing is left behind: no process, socket or file.
 //!
 //! Missing artifacts fail the tests with the `make` target that builds them: never a silent skip.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::fs;
 use std::path::{Path, PathBuf};

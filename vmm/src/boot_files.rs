@@ -764,3 +764,94 @@ mod tests {
         assert_eq!(read_elf(&mut memfd(&elf)).unwrap().pvh_entry, None);
     }
 }
+
+/// Properties of [`plan`] over any offsets, lengths and page sizes.
+#[cfg(test)]
+mod plan_properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn parts(p: &Piece) -> (u64, u64, u64) {
+        match *p {
+            Piece::Map {
+                file_offset,
+                guest,
+                len,
+            }
+            | Piece::Copy {
+                file_offset,
+                guest,
+                len,
+            } => (file_offset, guest, len),
+        }
+    }
+
+    /// Offsets near the page grid and near the top of the address space, where the rounding
+    /// and the overflow checks are.
+    fn address() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            0u64..(1 << 24),
+            (0u64..1024).prop_map(|k| k * 4096),
+            (0u64..(1 << 16)).prop_map(|k| u64::MAX - k),
+            any::<u64>(),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// The pieces cover exactly `guest..guest + len`, in order, each from the file offset
+        /// that corresponds; mapped pieces are whole pages in the guest and in the file; copies
+        /// beside a mapping are shorter than a page; never more than one mapping.
+        #[test]
+        fn pieces_tile_the_range(
+            file_offset in address(),
+            guest in address(),
+            len in prop_oneof![0u64..(1 << 20), any::<u64>()],
+            page_shift in 9u32..22,
+        ) {
+            let page = 1u64 << page_shift;
+            let Ok(pieces) = plan(file_offset, guest, len, page) else {
+                // Refused only where an end overflows.
+                prop_assert!(
+                    file_offset.checked_add(len).is_none() || guest.checked_add(len).is_none()
+                );
+                return Ok(());
+            };
+            prop_assert!(pieces.len() <= 3);
+            let maps = pieces.iter().filter(|p| matches!(p, Piece::Map { .. })).count();
+            prop_assert!(maps <= 1);
+            let mut at = guest;
+            for p in &pieces {
+                let (f, g, l) = parts(p);
+                prop_assert_eq!(g, at, "pieces are contiguous and in order");
+                prop_assert!(l > 0);
+                prop_assert_eq!(f - file_offset, g - guest, "file offset follows the guest address");
+                match p {
+                    Piece::Map { .. } => {
+                        prop_assert_eq!(g % page, 0);
+                        prop_assert_eq!(f % page, 0);
+                        prop_assert_eq!(l % page, 0);
+                    }
+                    Piece::Copy { .. } if maps == 1 => prop_assert!(l < page),
+                    Piece::Copy { .. } => {}
+                }
+                at = g + l;
+            }
+            prop_assert_eq!(at - guest, len, "the pieces add up to the range");
+            // Congruent offsets with a whole page inside the range are mapped.
+            let first_full = guest.checked_add(page - 1).map(|a| a & !(page - 1));
+            if file_offset % page == guest % page
+                && first_full.is_some_and(|a| a.checked_add(page).is_some_and(|e| e <= guest + len))
+            {
+                prop_assert_eq!(maps, 1);
+            }
+        }
+
+        /// A page size that is no power of two is refused, never planned with.
+        #[test]
+        fn odd_page_sizes_are_refused(page in any::<u64>().prop_filter("not 2^n", |p| !p.is_power_of_two())) {
+            prop_assert!(plan(0, 0, 4096, page).is_err());
+        }
+    }
+}

@@ -2050,4 +2050,116 @@ mod tests {
         }));
         assert_eq!(r.pages(), 2);
     }
+
+    /// Properties of the initrd's cpio parsing and its template over any archive.
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        const REGULAR: u32 = 0o100644;
+
+        /// An entry: a name, a regular file, folder or symlink, and its bytes.
+        fn entry() -> impl Strategy<Value = (String, u32, Vec<u8>)> {
+            (
+                "[a-z/]{1,24}",
+                prop_oneof![Just(REGULAR), Just(0o040755), Just(0o120777)],
+                prop::collection::vec(any::<u8>(), 0..6000),
+            )
+        }
+
+        fn archive(entries: &[(String, u32, Vec<u8>)]) -> Vec<u8> {
+            let e: Vec<(&str, u32, &[u8])> = entries
+                .iter()
+                .map(|(n, m, d)| (n.as_str(), *m, d.as_slice()))
+                .collect();
+            newc(&e)
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(128))]
+
+            /// One or two archives (zero padding between them): the regular files with bytes
+            /// are found, in order, by name and bytes; their ranges lie inside the archive,
+            /// disjoint and increasing.
+            #[test]
+            fn newc_finds_each_regular_file(
+                first in prop::collection::vec(entry(), 0..8),
+                second in prop::collection::vec(entry(), 0..4),
+                // The kernel takes a header only at a multiple of 4 bytes from the start.
+                padding in (0usize..150).prop_map(|k| k * 4),
+            ) {
+                let mut cpio = archive(&first);
+                if !second.is_empty() {
+                    cpio.resize(cpio.len() + padding, 0);
+                    cpio.extend_from_slice(&archive(&second));
+                }
+                let files = parse_newc(&cpio);
+                let expected: Vec<&(String, u32, Vec<u8>)> = first
+                    .iter()
+                    .chain(&second)
+                    .filter(|(_, m, d)| *m == REGULAR && !d.is_empty())
+                    .collect();
+                let files = match files {
+                    Ok(f) => f,
+                    // An empty archive is no archive.
+                    Err(e) => {
+                        prop_assert!(first.is_empty() && second.is_empty(), "{e}");
+                        return Ok(());
+                    }
+                };
+                prop_assert_eq!(files.len(), expected.len());
+                let mut end = 0;
+                for (f, (name, _, data)) in files.iter().zip(expected) {
+                    prop_assert_eq!(&f.name, name);
+                    prop_assert!(f.data.start >= end && f.data.end <= cpio.len());
+                    prop_assert_eq!(&cpio[f.data.clone()], data.as_slice());
+                    end = f.data.end;
+                }
+            }
+
+            /// The template holds each file from a page boundary, zero-filled to the next, and
+            /// is as long as `initrd_template_len` says.
+            #[test]
+            fn template_pages_hold_each_file(entries in prop::collection::vec(entry(), 1..8)) {
+                let cpio = archive(&entries);
+                let files = parse_newc(&cpio).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let template = initrd_template(&cpio)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(template.len() as u64, initrd_template_len(&files));
+                prop_assert_eq!(template.len() % PAGE, 0);
+                let mut at = 0;
+                for f in &files {
+                    let n = f.data.len();
+                    prop_assert_eq!(&template[at..at + n], &cpio[f.data.clone()]);
+                    let next = at + n.next_multiple_of(PAGE);
+                    prop_assert!(template[at + n..next].iter().all(|&b| b == 0));
+                    at = next;
+                }
+                prop_assert_eq!(at, template.len());
+            }
+
+            /// Any bytes: an error or files whose ranges lie inside, disjoint and increasing.
+            #[test]
+            fn newc_ranges_stay_inside_any_input(
+                entries in prop::collection::vec(entry(), 1..4),
+                flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..16),
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let mut cpio = archive(&entries);
+                for (i, b) in flips {
+                    let i = i.index(cpio.len());
+                    cpio[i] = b;
+                }
+                cpio.truncate(cut.index(cpio.len() + 1));
+                if let Ok(files) = parse_newc(&cpio) {
+                    let mut end = 0;
+                    for f in files {
+                        prop_assert!(f.data.start >= end && f.data.start < f.data.end);
+                        prop_assert!(f.data.end <= cpio.len());
+                        end = f.data.end;
+                    }
+                }
+            }
+        }
+    }
 }

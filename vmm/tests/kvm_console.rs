@@ -1,6 +1,11 @@
 //! The serial's file sink is a bounded console log (`vmm::console_log`): a guest flooding COM1
 //! keeps the log on the host within its bound, with the newest lines (needs /dev/kvm and the
 //! built guests).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 mod kvm_common;
 use kvm_common::*;

@@ -1,4 +1,9 @@
 //! Guest faults end the VM promptly with the reason named (needs /dev/kvm and the built guests).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 mod kvm_common;
 use kvm_common::*;

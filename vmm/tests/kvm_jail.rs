@@ -2,6 +2,11 @@
 //! thread of a running VM have a seccomp filter and no_new_privs, the embedder's own threads
 //! have neither, and a VM thread that makes a call outside its role's list takes the process
 //! down with SIGSYS (needs /dev/kvm and the built guests).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 mod kvm_common;
 use kvm_common::*;

@@ -1,4 +1,9 @@
 //! No fd or thread leaks over many boots (needs /dev/kvm and the built guests).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 mod kvm_common;
 use kvm_common::*;

@@ -1,5 +1,10 @@
 //! Lifecycle: stop, bad input, several VMs at once, no leaks over many boots
 //! (needs /dev/kvm and the built guests).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 mod kvm_common;
 use kvm_common::*;

@@ -2,6 +2,11 @@
 //! changes the whole process irrevocably): new namespaces, an empty read-only root holding
 //! only the share, limits, the virtio-fs server's capabilities and no_new_privs; the host
 //! sees none of it (needs root).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};

@@ -733,3 +733,191 @@ mod tests {
         assert_eq!(min["root"]["path"], "/run/microvm-shared/c/rootfs");
     }
 }
+
+/// Properties of the guest rewrite and the VM's size over any spec the shim may be handed.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    /// A mount: type bind or not, a host source, options (some forged volume keys, some
+    /// propagation, `ro`).
+    fn mount() -> impl Strategy<Value = Value> {
+        (
+            any::<bool>(),
+            "/[a-z]{1,8}(/[a-z.]{1,8}){0,3}",
+            prop::collection::vec(
+                prop::sample::select(vec![
+                    "rbind",
+                    "bind",
+                    "ro",
+                    "rw",
+                    "rslave",
+                    "rshared",
+                    "private",
+                    "nosuid",
+                    "x-microvm-volume=00ff",
+                    "x-microvm-volume=",
+                ]),
+                0..5,
+            ),
+        )
+            .prop_map(|(bind, source, options)| {
+                json!({
+                    "destination": "/mnt",
+                    "type": if bind { "bind" } else { "tmpfs" },
+                    "source": source,
+                    "options": options,
+                })
+            })
+    }
+
+    fn namespace() -> impl Strategy<Value = Value> {
+        (
+            prop::sample::select(vec!["pid", "network", "ipc", "uts", "mount", "cgroup"]),
+            prop::sample::select(vec!["", "/proc/42/ns/x", "/proc/7/ns/pid", "container:c0"]),
+        )
+            .prop_map(|(kind, path)| {
+                // `container:` paths are the shim's own, for PID namespaces only
+                // (resolve_target_pid_namespace).
+                let path = if kind == "pid"
+                    || !(path.ends_with("/pid") || path.starts_with("container:"))
+                {
+                    path.to_string()
+                } else {
+                    String::new()
+                };
+                json!({ "type": kind, "path": path })
+            })
+    }
+
+    fn spec() -> impl Strategy<Value = Value> {
+        (
+            prop::collection::vec(mount(), 0..6),
+            prop::collection::vec(namespace(), 0..6),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(|(mounts, nss, privileged, forged)| {
+                let mut annotations = serde_json::Map::new();
+                if forged {
+                    annotations.insert(PRIVILEGED_ANNOTATION.into(), json!("true"));
+                }
+                let devices = if privileged {
+                    json!([{"allow": true, "access": "rwm"}])
+                } else {
+                    json!([{"allow": false, "access": "rwm"}])
+                };
+                json!({
+                    "root": {"path": "/run/containerd/rootfs"},
+                    "annotations": annotations,
+                    "hooks": {"prestart": [{"path": "/usr/bin/host-hook"}]},
+                    "mounts": mounts,
+                    "linux": {
+                        "cgroupsPath": "/kubepods/pod1/c1",
+                        "namespaces": nss,
+                        "resources": {"devices": devices},
+                    },
+                })
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// After the rewrite no host path is left where the guest would use it: the root and
+        /// every bind source are under the container's share, each bind is returned with its
+        /// host source, volume keys are only the shim's own (one per propagating bind), hooks
+        /// and the cgroup path are gone, namespace paths are only the guest's own names, and
+        /// the privileged annotation is there exactly for a privileged spec.
+        #[test]
+        fn the_guest_spec_names_only_guest_paths(original in spec(), sandbox_pid in prop::sample::select(vec![7u32, 8])) {
+            let mut s = original.clone();
+            let binds = rewrite_for_guest(&mut s, "c1", sandbox_pid)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let root = guest_rootfs("c1");
+            prop_assert_eq!(s["root"]["path"].as_str(), Some(root.as_str()));
+            prop_assert!(s.get("hooks").is_none());
+            prop_assert!(s["linux"].get("cgroupsPath").is_none());
+            let before = original["mounts"].as_array().map(Vec::as_slice).unwrap_or_default();
+            let after = s["mounts"].as_array().map(Vec::as_slice).unwrap_or_default();
+            prop_assert_eq!(before.len(), after.len());
+            let mut bind_n = 0;
+            for (n, (b, a)) in before.iter().zip(after).enumerate() {
+                let options: Vec<&str> = a["options"]
+                    .as_array()
+                    .map(|o| o.iter().filter_map(Value::as_str).collect())
+                    .unwrap_or_default();
+                let keys: Vec<&&str> =
+                    options.iter().filter(|o| o.starts_with(VOLUME_KEY_OPTION)).collect();
+                let is_bind = b["type"] == "bind"
+                    || options.iter().any(|o| *o == "bind" || *o == "rbind");
+                if !is_bind {
+                    prop_assert!(keys.is_empty(), "no key on a non-bind mount: {a}");
+                    prop_assert_eq!(&a["source"], &b["source"]);
+                    continue;
+                }
+                let bind = &binds[bind_n];
+                bind_n += 1;
+                let share = format!("{GUEST_SHARED_DIR}/c1/mounts/{n}");
+                prop_assert_eq!(a["source"].as_str(), Some(share.as_str()));
+                prop_assert_eq!(Some(bind.host_source.as_path()), b["source"].as_str().map(std::path::Path::new));
+                if bind.from_host {
+                    let key = format!("{VOLUME_KEY_OPTION}{}", volume_key(&bind.host_source, bind.readonly));
+                    let want = key.as_str();
+                    prop_assert_eq!(keys, vec![&want]);
+                } else {
+                    prop_assert!(keys.is_empty(), "a forged key is dropped: {a}");
+                }
+            }
+            prop_assert_eq!(bind_n, binds.len());
+            for ns in s["linux"]["namespaces"].as_array().map(Vec::as_slice).unwrap_or_default() {
+                let path = ns["path"].as_str().unwrap_or_default();
+                prop_assert!(
+                    path.is_empty() || path == POD_PID_NAMESPACE || path.starts_with("container:"),
+                    "{ns}"
+                );
+                if !path.is_empty() {
+                    prop_assert!(!matches!(ns["type"].as_str(), Some("network" | "ipc" | "uts")));
+                }
+            }
+            let privileged = crate::resources::devices::oci::is_privileged(&original);
+            prop_assert_eq!(
+                s["annotations"].get(PRIVILEGED_ANNOTATION).is_some(),
+                privileged
+            );
+        }
+
+        /// The VM's size stays within the config's bounds and grows with the pod's limits.
+        #[test]
+        fn vm_size_is_bounded_and_monotone(
+            quota in 1i64..10_000_000,
+            period in 1i64..1_000_000,
+            memory in 1i64..(1 << 40),
+            more in 0i64..(1 << 30),
+        ) {
+            let c = Config::default();
+            let size = |q: i64, m: i64| {
+                let a: HashMap<String, String> = [
+                    (ANN_CPU_QUOTA, q.to_string()),
+                    (ANN_CPU_PERIOD, period.to_string()),
+                    (ANN_MEMORY, m.to_string()),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+                vm_size(&c, &a)
+            };
+            let s = size(quota, memory).map_err(TestCaseError::fail)?;
+            prop_assert!(s.vcpus >= 1 && s.vcpus <= c.max_vcpus);
+            prop_assert!(s.memory_mib <= c.max_memory_mib);
+            prop_assert!(
+                s.memory_mib >= (memory as u64).div_ceil(1 << 20).min(c.max_memory_mib),
+                "the pod's memory fits"
+            );
+            let bigger = size(quota + more, memory + more).map_err(TestCaseError::fail)?;
+            prop_assert!(bigger.vcpus >= s.vcpus && bigger.memory_mib >= s.memory_mib);
+        }
+    }
+}

@@ -143,6 +143,11 @@ pub struct QemuPrograms {
 }
 
 impl Default for QemuPrograms {
+    #[expect(
+        clippy::expect_used,
+        reason = "DEFAULT_JAIL_ID_BASE is neither 0 nor near u32::MAX, so jail_id gives Some \
+                  (qemu::tests::jail_ids_are_the_base_plus_the_pid_and_never_root_or_minus_one)"
+    )]
     fn default() -> Self {
         QemuPrograms {
             qemu: PathBuf::from(qemu::DEFAULT_QEMU),

@@ -165,7 +165,10 @@ pub fn quota_millis(quota_us: i64, period_us: u64) -> Option<u64> {
     if period_us == 0 {
         return None;
     }
-    Some(quota.saturating_mul(1000).div_ceil(period_us))
+    // In u128: a quota above u64::MAX / 1000 would saturate before the division and read as
+    // fewer millicores than it is (found by `properties::quota_millis_rounds_up`).
+    let millis = (u128::from(quota) * 1000).div_ceil(u128::from(period_us));
+    Some(u64::try_from(millis).unwrap_or(u64::MAX))
 }
 
 /// A Kubernetes resource quantity (`128Mi`, `1.5G`, `250m`, `2`, `1e3`), non-negative, held
@@ -401,5 +404,140 @@ mod tests {
         assert_eq!(quota_millis(150_000, 100_000), Some(1500));
         assert_eq!(quota_millis(-1, 100_000), None);
         assert_eq!(quota_millis(1, 0), None);
+    }
+}
+
+/// Properties of the overhead arithmetic over any sizes.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    fn amount() -> impl Strategy<Value = Option<u64>> {
+        prop::option::of(prop_oneof![0u64..(1 << 40), any::<u64>()])
+    }
+
+    fn overhead() -> impl Strategy<Value = Overhead> {
+        (prop_oneof![0u64..(1 << 32), any::<u64>()], 0u64..100_000).prop_map(|(m, c)| Overhead {
+            memory_bytes: m,
+            memory_source: Source::Config,
+            cpu_millis: c,
+            cpu_source: Source::Config,
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// The limits never overflow, hold the VM plus its overhead unless the pod cgroup caps
+        /// them lower, never pass that cap (but for the kernel's 1 ms smallest quota), and
+        /// grow with the VM.
+        #[test]
+        fn limits_are_the_vm_plus_overhead_under_the_cap(
+            vm in prop_oneof![0u64..(1 << 40), any::<u64>()],
+            vcpus in any::<u8>(),
+            extra_vcpus in 0u8..4,
+            o in overhead(),
+            cap_memory in amount(),
+            cap_cpu in amount(),
+        ) {
+            let cap = Amounts { memory_bytes: cap_memory, cpu_millis: cap_cpu };
+            let l = limits(vm, vcpus, &o, cap);
+            let wanted_memory = vm.saturating_add(o.memory_bytes);
+            prop_assert_eq!(l.memory_bytes, wanted_memory.min(cap_memory.unwrap_or(u64::MAX)));
+            prop_assert_eq!(l.cpu_period_us, CPU_PERIOD_US);
+            prop_assert!(l.cpu_quota_us >= 1000, "the kernel's smallest quota");
+            let wanted_cpu = u64::from(vcpus) * 1000 + o.cpu_millis;
+            let cpu = wanted_cpu.min(cap_cpu.unwrap_or(u64::MAX));
+            // The quota holds the CPU asked for, to the microsecond of the period.
+            prop_assert_eq!(l.cpu_millis(), cpu.max(10));
+            let bigger = limits(vm.saturating_add(1 << 20), vcpus.saturating_add(extra_vcpus), &o, cap);
+            prop_assert!(bigger.memory_bytes >= l.memory_bytes);
+            prop_assert!(bigger.cpu_quota_us >= l.cpu_quota_us);
+        }
+
+        /// A quota read back from a cgroup gives at least the millicores it was written for
+        /// (rounded up, never below), and no quota reads as none.
+        #[test]
+        fn quota_millis_rounds_up(quota in any::<i64>(), period in 0u64..10_000_000) {
+            match quota_millis(quota, period) {
+                None => prop_assert!(quota <= 0 || period == 0),
+                Some(u64::MAX) => {
+                    prop_assert!(quota as u128 * 1000 > u128::from(u64::MAX - 1) * u128::from(period));
+                }
+                Some(m) => {
+                    let quota = quota as u128;
+                    prop_assert!(u128::from(m) * u128::from(period) >= quota * 1000);
+                    prop_assert!((u128::from(m) - 1) * u128::from(period) < quota * 1000);
+                }
+            }
+        }
+
+        /// Quantities: a whole number with a binary or decimal suffix is that many bytes
+        /// (saturating); a decimal fraction rounds up to the millicore; any text parses or is
+        /// refused without a panic.
+        #[test]
+        fn quantities_are_exact(
+            n in 0u64..(1 << 40),
+            suffix in prop::sample::select(vec![
+                ("", 1u128), ("k", 1000), ("M", 1_000_000), ("G", 1_000_000_000),
+                ("Ki", 1 << 10), ("Mi", 1 << 20), ("Gi", 1 << 30), ("Ti", 1 << 40),
+            ]),
+            int in 0u32..100,
+            frac in "[0-9]{1,9}",
+            junk in "\\PC{0,24}",
+        ) {
+            let q = Quantity::parse(&format!("{n}{}", suffix.0))
+                .map_err(TestCaseError::fail)?;
+            let bytes = u128::from(n) * suffix.1;
+            prop_assert_eq!(q.ceil_units(), u64::try_from(bytes).unwrap_or(u64::MAX));
+            let cpu = Quantity::parse(&format!("{int}.{frac}")).map_err(TestCaseError::fail)?;
+            let nanos = u128::from(int) * 1_000_000_000
+                + frac.parse::<u128>().unwrap_or(0) * 10u128.pow(9 - frac.len() as u32);
+            prop_assert_eq!(u128::from(cpu.ceil_millis()), nanos.div_ceil(1_000_000));
+            prop_assert!(cpu.ceil_millis() >= u64::from(int) * 1000);
+            if let Ok(q) = Quantity::parse(&junk) {
+                prop_assert!(q.ceil_millis() >= q.ceil_units().min(u64::MAX / 1000));
+            }
+        }
+
+        /// The annotation wins when allowed, then the typed overhead, then the pod cgroup's
+        /// limit minus the containers' sum (only when above it), then the default.
+        #[test]
+        fn overhead_sources_keep_their_order(
+            allowed in any::<bool>(),
+            annotated in prop::option::of(0u64..(1 << 30)),
+            typed in amount(),
+            parent in amount(),
+            sum in amount(),
+            default in 0u64..(1 << 30),
+        ) {
+            let mut ann = HashMap::new();
+            if let Some(a) = annotated {
+                ann.insert(ANN_OVERHEAD_MEMORY.to_string(), a.to_string());
+            }
+            let defaults = Defaults { memory_bytes: default, cpu_millis: 0, annotations_allowed: allowed };
+            let o = resolve(
+                &ann,
+                defaults,
+                Amounts { memory_bytes: typed, cpu_millis: None },
+                Amounts { memory_bytes: parent, cpu_millis: None },
+                Amounts { memory_bytes: sum, cpu_millis: None },
+            )
+            .map_err(TestCaseError::fail)?;
+            let from_parent = match (parent, sum) {
+                (Some(p), Some(s)) if s > 0 && p > s => Some(p - s),
+                _ => None,
+            };
+            let expected = match (annotated.filter(|_| allowed), typed, from_parent) {
+                (Some(a), _, _) => (a, Source::Annotation),
+                (None, Some(t), _) => (t, Source::PodConfig),
+                (None, None, Some(p)) => (p, Source::PodCgroup),
+                (None, None, None) => (default, Source::Config),
+            };
+            prop_assert_eq!((o.memory_bytes, o.memory_source), expected);
+            prop_assert_eq!(o.cpu_source, Source::Config);
+        }
     }
 }

@@ -139,7 +139,7 @@ fn read_spec(path: &Path) -> Result<Spec, String> {
     if path.extension().and_then(|e| e.to_str()) == Some("json") {
         serde_json::from_str(&text).map_err(|e| e.to_string())
     } else {
-        serde_yaml::from_str(&text).map_err(|e| e.to_string())
+        serde_saphyr::from_str(&text).map_err(|e| e.to_string())
     }
 }
 

@@ -415,4 +415,101 @@ mod tests {
             ]
         );
     }
+
+    /// Properties of the route translation (netlink dump -> guest routes -> agent request).
+    mod properties {
+        use super::*;
+        use crate::resources::network::{configure_network_request, GuestInterface, MacAddr};
+        use proptest::prelude::*;
+
+        /// One route of a dump: family, destination, gateway (of that family), interface,
+        /// protocol, scope.
+        type Dumped = (bool, Option<(IpAddr, u8)>, Option<IpAddr>, u32, u8, u8);
+
+        fn ip(v6: bool) -> BoxedStrategy<IpAddr> {
+            if v6 {
+                any::<u128>().prop_map(|a| IpAddr::V6(a.into())).boxed()
+            } else {
+                any::<u32>().prop_map(|a| IpAddr::V4(a.into())).boxed()
+            }
+        }
+
+        fn dumped() -> impl Strategy<Value = Dumped> {
+            any::<bool>().prop_flat_map(|v6| {
+                let max: u8 = if v6 { 128 } else { 32 };
+                (
+                    Just(v6),
+                    prop::option::of((ip(v6), 0..=max)),
+                    prop::option::of(ip(v6)),
+                    1u32..4,
+                    0u8..3,
+                    0u8..4,
+                )
+            })
+        }
+
+        const PROTOCOLS: [RouteProtocol; 3] = [
+            RouteProtocol::Kernel,
+            RouteProtocol::Boot,
+            RouteProtocol::Static,
+        ];
+        const SCOPES: [(NlRouteScope, RouteScope); 4] = [
+            (NlRouteScope::Universe, RouteScope::Universe),
+            (NlRouteScope::Site, RouteScope::Site),
+            (NlRouteScope::Link, RouteScope::Link),
+            (NlRouteScope::Host, RouteScope::Host),
+        ];
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            /// The guest gets exactly the interface's routes that are not the kernel's own, in
+            /// the dump's order, each with its destination, prefix, gateway and scope; and the
+            /// agent's request carries each with its family's address length.
+            #[test]
+            fn routes_reach_the_guest_as_dumped(
+                dump in prop::collection::vec(dumped(), 0..12),
+                index in 1u32..4,
+            ) {
+                let msgs: Vec<RouteMessage> = dump
+                    .iter()
+                    .map(|&(v6, dst, gw, oif, proto, scope)| {
+                        let family = if v6 { AddressFamily::Inet6 } else { AddressFamily::Inet };
+                        route_msg(family, dst, gw, oif, PROTOCOLS[proto as usize], SCOPES[scope as usize].0)
+                    })
+                    .collect();
+                let expected: Vec<Route> = dump
+                    .iter()
+                    .filter(|&&(_, _, _, oif, proto, _)| oif == index && proto != 0)
+                    .map(|&(v6, dst, gw, _, _, scope)| Route {
+                        destination: match dst {
+                            Some((addr, prefix_len)) => IpNet { addr, prefix_len },
+                            None => IpNet::default_route(if v6 { IpFamily::V6 } else { IpFamily::V4 }),
+                        },
+                        gateway: gw,
+                        scope: SCOPES[scope as usize].1,
+                    })
+                    .collect();
+                let routes = interface_routes(index, &msgs);
+                prop_assert_eq!(&routes, &expected);
+
+                let iface = GuestInterface {
+                    name: "eth0".into(),
+                    mac: MacAddr([2, 0, 0, 0, 0, 1]),
+                    mtu: 1500,
+                    addresses: Vec::new(),
+                    routes,
+                };
+                let req = configure_network_request([&iface]);
+                let sent = &req.interfaces[0].routes;
+                prop_assert_eq!(sent.len(), expected.len());
+                for (r, want) in sent.iter().zip(&expected) {
+                    let len = if want.family() == IpFamily::V6 { 16 } else { 4 };
+                    let dst = r.destination.as_ref().map(|d| (d.addr.len(), d.prefix_len));
+                    prop_assert_eq!(dst, Some((len, u32::from(want.destination.prefix_len))));
+                    prop_assert_eq!(r.gateway.len(), if want.gateway.is_some() { len } else { 0 });
+                }
+            }
+        }
+    }
 }

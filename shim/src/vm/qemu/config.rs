@@ -114,6 +114,10 @@ pub const DEFAULT_VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
 
 impl QemuConfig {
     /// A config with the defaults: 1 vCPU, 256 MiB, CID 3, [`Accel::Auto`].
+    #[expect(
+        clippy::expect_used,
+        reason = "jail_id(DEFAULT_JAIL_ID_BASE) is Some: qemu::tests checks it"
+    )]
     pub fn new(
         kernel: impl Into<PathBuf>,
         initrd: impl Into<PathBuf>,

@@ -59,10 +59,7 @@ impl VmPaths {
         })?;
         let console_is_ours = cfg.console_log.is_none();
         let vsock_uds = super::vsock_uds_in(&cfg.work_dir);
-        let vsock_dir = vsock_uds
-            .parent()
-            .expect("vsock_uds_in names a file in a folder")
-            .to_path_buf();
+        let vsock_dir = cfg.work_dir.join(super::VSOCK_DIR);
         let paths = VmPaths {
             vhost_socket: vsock_dir.join("vhost-user.sock"),
             vsock_uds,
