@@ -35,21 +35,6 @@ echo "== tests"
 # The Sandbox API tests (`shim_sandboxer_*`) need containerd 2.x: they run in the 2.1 section below.
 cargo test --release --workspace --no-fail-fast -- --test-threads=2 --skip shim_sandboxer_ 2>&1 | tee -a "$results" || status_all=1
 
-echo "== fuzz smoke"
-# Every fuzz target over its seed corpus plus a few seconds of fuzzing (docs/fuzzing.md). Each
-# target counts as a test below: passed, or failed when it crashed, hung or ran out of memory;
-# a smoke run that ended before its closing line (the build failed) counts one failure.
-fuzz_log=$(mktemp)
-scripts/fuzz-smoke.sh 2>&1 | tee "$fuzz_log" || status_all=1
-fuzz_line=$(grep -E '^fuzz: [0-9]+ targets, [0-9]+ crashed$' "$fuzz_log" | tail -n 1)
-fuzz_targets=$(awk '{ print $2 }' <<<"$fuzz_line")
-fuzz_crashed=$(awk '{ print $4 }' <<<"$fuzz_line")
-rm -f "$fuzz_log"
-if [ -z "$fuzz_line" ]; then
-  echo "FAILED: the fuzz smoke run ended before running its targets"
-  fuzz_targets=1 fuzz_crashed=1
-fi
-
 echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend)"
 # The same suites against trixie's containerd 1.7 and sid's 2.1, unpacked privately into the
 # cache (scripts/install-containerd.sh; never installed over the system's). They count like the
@@ -71,6 +56,28 @@ for version in trixie:$pod_suites sid:$pod_suites,cri_microvm_sandbox_api; do
     status_all=1
   fi
 done
+
+# The fuzz smoke run and cargo deny run beside the embedded-VMM tests, at the lowest priority:
+# the nested lane's L1 is one TCG vCPU, so one of the two cores is otherwise idle there. Their
+# output is printed after those tests. Each fuzz target counts as a test below: passed, or
+# failed when it crashed, hung or ran out of memory; a smoke run that ended before its closing
+# line (the build failed) counts one failure (docs/fuzzing.md). cargo deny checks licenses, bans
+# and sources (deny.toml; no advisory database is reachable offline: docs/security.md) and
+# counts as one test.
+side_log=$(mktemp)
+(
+  echo "== fuzz smoke"
+  nice -n 19 scripts/fuzz-smoke.sh
+  echo "== cargo deny"
+  if deny=$(INSTALL_NICE=19 scripts/install-cargo-deny.sh | tail -n 1) &&
+    "$deny/cargo-deny" --offline check licenses bans sources; then
+    echo "cargo deny: ok"
+  else
+    echo "cargo deny: FAILED"
+  fi
+) >"$side_log" 2>&1 &
+side_pid=$!
+trap 'kill $side_pid 2>/dev/null; rm -f "$results" "$embedded" "$side_log"' EXIT
 
 echo "== linux guests on the embedded vmm"
 # The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
@@ -159,6 +166,17 @@ else
   exit 1
 fi
 
+wait $side_pid
+cat "$side_log"
+fuzz_line=$(grep -E '^fuzz: [0-9]+ targets, [0-9]+ crashed$' "$side_log" | tail -n 1)
+fuzz_targets=$(awk '{ print $2 }' <<<"$fuzz_line")
+fuzz_crashed=$(awk '{ print $4 }' <<<"$fuzz_line")
+if [ -z "$fuzz_line" ]; then
+  echo "FAILED: the fuzz smoke run ended before running its targets"
+  fuzz_targets=1 fuzz_crashed=1
+fi
+if grep -qx 'cargo deny: ok' "$side_log"; then deny=ok; else deny=FAILED; fi
+
 echo "== leftovers"
 # report_left WHAT NONE LIST: LIST (one item a line) is what the tests left of WHAT; empty: NONE.
 report_left() {
@@ -215,7 +233,8 @@ if [ $ran_embedded -eq 1 ]; then
 fi
 passed=$(( passed + fuzz_targets - fuzz_crashed ))
 failed=$(( failed + fuzz_crashed ))
+if [ "$deny" = ok ]; then passed=$(( passed + 1 )); else failed=$(( failed + 1 )); fi
 [ $failed -eq 0 ] || status_all=1
 if [ -n "$lane_summary" ]; then echo "$lane_summary"; fi
-echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped (with ${fuzz_targets} fuzz targets, ${fuzz_crashed} crashed)"
+echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped (with ${fuzz_targets} fuzz targets, ${fuzz_crashed} crashed; cargo deny ${deny})"
 exit $status_all
