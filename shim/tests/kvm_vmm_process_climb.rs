@@ -12,6 +12,11 @@
 //! `harness = false`: this executable is also the VMM process (`<exe> __vmm <fd> <work>`), so
 //! that the attacking thread runs in it ([`vmm::jail::split::serve_with`]); the product binary
 //! has no such thread.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failed step is the test's failure"
+)]
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
