@@ -65,6 +65,9 @@ fn work_dir(tag: &str) -> PathBuf {
 
 fn config(vcpus: u32, tag: &str) -> QemuConfig {
     let mut cfg = QemuConfig::new(kernel(), initrd(), vhost_vsock(), work_dir(tag));
+    // The VM's init (`__pod-init`) is the shim's: this test binary is not one.
+    cfg.init_binary =
+        microvm_tests::microvm_pods::shim_bin_dir().join(microvm_tests::microvm_pods::SHIM);
     cfg.vcpus = vcpus;
     cfg.memory_mib = MEMORY_MIB;
     cfg.accel = Accel::Tcg;
@@ -203,6 +206,9 @@ fn qemu_failing_early_is_an_error_with_its_stderr() {
     fs::write(&not_a_kernel, b"this is not a kernel\n").expect("write file");
     // QEMU answers "linux kernel too old to load a ram disk".
     let mut cfg = QemuConfig::new(&not_a_kernel, &not_a_kernel, vhost_vsock(), &dir);
+    // The VM's init (`__pod-init`) is the shim's: this test binary is not one.
+    cfg.init_binary =
+        microvm_tests::microvm_pods::shim_bin_dir().join(microvm_tests::microvm_pods::SHIM);
     cfg.accel = Accel::Tcg;
     let err = QemuVm::start(cfg).expect_err("QEMU cannot boot a text file");
     fs::remove_file(&not_a_kernel).expect("remove file");
