@@ -72,7 +72,7 @@ struct ExecPlan {
 /// Only in the child of a fork-like clone of [`PodInit::start`]: it makes raw system calls only
 /// (no allocation, no lock) and never returns.
 unsafe fn exec_child(plan: &ExecPlan) -> ! {
-    // SAFETY (of each call): raw system calls on descriptors and pointers the plan holds open
+    // SAFETY: each call is a raw system call on descriptors and pointers the plan holds open
     // and alive (the parent's copy of the plan outlives the clone; this is a copy of it).
     unsafe {
         if libc::prctl(
