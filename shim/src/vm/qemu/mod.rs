@@ -747,26 +747,46 @@ mod tests {
                     .starts_with('Z')
             })
         };
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while (alive(child) || alive(init_pid)) && Instant::now() < deadline {
-            thread::sleep(POLL);
-        }
-        assert!(
-            !alive(child),
-            "the jailed child {child} outlived the thread that started it"
-        );
-        assert!(
-            !alive(init_pid),
-            "the init {init_pid} outlived the thread that started it"
-        );
-        // Reap both (they are this process's children).
-        for pid in [child, init_pid] {
+        // Both are this process's children: each is reaped once it has exited, as the shim's
+        // parent would reap them after a kill -9 of the shim. The init's exit waits until every
+        // process of its namespace is reaped, so the child's zombie must go first.
+        let reap = |pid: u32| {
             let _ = rustix::process::waitpid(
                 rustix::process::Pid::from_raw(pid as i32),
                 rustix::process::WaitOptions::NOHANG,
             );
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while (alive(child) || alive(init_pid)) && Instant::now() < deadline {
+            reap(child);
+            reap(init_pid);
+            thread::sleep(POLL);
         }
+        let (child_left, init_left) = (alive(child), alive(init_pid));
+        // Nothing is left behind on failure either: SIGKILL to the init ends its namespace.
+        for (pid, left) in [(init_pid, init_left), (child, child_left)] {
+            if left {
+                // SAFETY: kill(2) on a child of this process that has not been reaped.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while (alive(child) || alive(init_pid)) && Instant::now() < deadline {
+            reap(child);
+            reap(init_pid);
+            thread::sleep(POLL);
+        }
+        reap(child);
+        reap(init_pid);
         fs::remove_dir_all(&d).unwrap();
+        assert!(
+            !child_left,
+            "the jailed child {child} outlived the thread that started it"
+        );
+        assert!(
+            !init_left,
+            "the init {init_pid} outlived the thread that started it"
+        );
     }
 
     fn temp_dir(name: &str) -> PathBuf {
