@@ -99,7 +99,11 @@ fn boot_check_shutdown(vcpus: u32) {
     let started = Instant::now();
     let mut vm = QemuVm::start(cfg).expect("start QEMU");
     let pids = vm.pids();
-    assert_eq!(pids.len(), 2, "QEMU and vhost-device-vsock run");
+    assert_eq!(
+        pids.len(),
+        3,
+        "the VM's init, QEMU and vhost-device-vsock run"
+    );
     let console_at = started.elapsed();
     vm.wait_for_console(AGENT_READY, AGENT_TIMEOUT)
         .expect("the agent's ready line");

@@ -552,7 +552,8 @@ impl QemuVm {
 
     /// Waits up to `timeout` for QEMU to exit by itself (the guest rebooted, powered off or
     /// QEMU failed). Returns its exit status, or `None` if it still runs. Once QEMU has exited,
-    /// the vsock backend is stopped and the sockets removed; the logs stay until drop.
+    /// the vsock backend, virtiofsd and the VM's init are stopped and the sockets removed; the
+    /// logs stay until drop.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>, QemuError> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -569,8 +570,8 @@ impl QemuVm {
     }
 
     /// Stops the VM: SIGTERM to QEMU, SIGKILL if it has not exited within a few seconds; then
-    /// the same for vhost-device-vsock. Removes the sockets (the logs stay until drop). Returns
-    /// QEMU's status.
+    /// the same for vhost-device-vsock and virtiofsd; then ends the VM's init. Removes the
+    /// sockets (the logs stay until drop). Returns QEMU's status.
     pub fn stop(&mut self) -> Result<ExitStatus, QemuError> {
         let status = match self.qemu.as_mut() {
             Some(child) => terminate(child, &self.qemu_binary)?,
@@ -638,6 +639,8 @@ impl QemuVm {
                 log::warn!("{e}");
             }
         }
+        // Every process of its namespace is reaped now: the init goes too (killed, reaped).
+        drop(self.init.take());
     }
 }
 
