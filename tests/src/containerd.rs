@@ -597,6 +597,16 @@ impl PrivateContainerd {
         cmd
     }
 
+    /// Stops (`SIGSTOP`) or continues (`SIGCONT`) containerd: while stopped it runs no
+    /// cleanup of its own, so a test sees what the kernel alone does.
+    pub fn freeze(&self, frozen: bool) {
+        if let Some(child) = self.child.as_ref() {
+            let sig = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+            // SAFETY: kill(2) on our own child, which has not been reaped yet (we hold it).
+            unsafe { libc::kill(child.id() as i32, sig) };
+        }
+    }
+
     /// Kills containerd (SIGKILL), as a crash would: its pods, shims and VMs stay, and dropping
     /// the instance must clean them up without containerd's help.
     pub fn kill_containerd(&mut self) {

@@ -221,6 +221,9 @@ fn a_guest_configured_from_the_pod_netns_answers_on_the_pods_addresses() {
 
     // The QEMU backend hands the tap to QEMU as `-netdev tap,fd=` with eth0's MAC and MTU.
     let mut cfg = QemuConfig::new(kernel, initrd, vhost, work.join("vm"));
+    // The VM's init (`__pod-init`) is the shim's: this test binary is not one.
+    cfg.init_binary =
+        microvm_tests::microvm_pods::shim_bin_dir().join(microvm_tests::microvm_pods::SHIM);
     cfg.accel = Accel::Tcg;
     cfg.memory_mib = 256;
     cfg.nics = vec![QemuNic {

@@ -70,6 +70,9 @@ fn work_dir(tag: &str) -> PathBuf {
 
 fn config(vcpus: u32, tag: &str) -> QemuConfig {
     let mut cfg = QemuConfig::new(kernel(), initrd(), vhost_vsock(), work_dir(tag));
+    // The VM's init (`__pod-init`) is the shim's: this test binary is not one.
+    cfg.init_binary =
+        microvm_tests::microvm_pods::shim_bin_dir().join(microvm_tests::microvm_pods::SHIM);
     cfg.vcpus = vcpus;
     cfg.memory_mib = MEMORY_MIB;
     cfg.accel = Accel::Tcg;
@@ -101,7 +104,11 @@ fn boot_check_shutdown(vcpus: u32) {
     let started = Instant::now();
     let mut vm = QemuVm::start(cfg).expect("start QEMU");
     let pids = vm.pids();
-    assert_eq!(pids.len(), 2, "QEMU and vhost-device-vsock run");
+    assert_eq!(
+        pids.len(),
+        3,
+        "the VM's init, QEMU and vhost-device-vsock run"
+    );
     let console_at = started.elapsed();
     vm.wait_for_console(AGENT_READY, AGENT_TIMEOUT)
         .expect("the agent's ready line");
@@ -208,6 +215,9 @@ fn qemu_failing_early_is_an_error_with_its_stderr() {
     fs::write(&not_a_kernel, b"this is not a kernel\n").expect("write file");
     // QEMU answers "linux kernel too old to load a ram disk".
     let mut cfg = QemuConfig::new(&not_a_kernel, &not_a_kernel, vhost_vsock(), &dir);
+    // The VM's init (`__pod-init`) is the shim's: this test binary is not one.
+    cfg.init_binary =
+        microvm_tests::microvm_pods::shim_bin_dir().join(microvm_tests::microvm_pods::SHIM);
     cfg.accel = Accel::Tcg;
     let err = QemuVm::start(cfg).expect_err("QEMU cannot boot a text file");
     fs::remove_file(&not_a_kernel).expect("remove file");

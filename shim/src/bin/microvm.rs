@@ -130,6 +130,10 @@ struct InstallPaths {
 }
 
 fn main() -> ExitCode {
+    // A QEMU VM's init (shim::vm::qemu::init), started by this binary when it boots one.
+    if std::env::args().nth(1).as_deref() == Some(shim::vm::qemu::init::SUBCOMMAND) {
+        std::process::exit(shim::vm::qemu::init::pod_init_main());
+    }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     let result = match cli.command {

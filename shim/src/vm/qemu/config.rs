@@ -55,6 +55,11 @@ pub struct QemuConfig {
     /// opened everything; vhost-device-vsock from its start). Never 0. Default:
     /// [`super::jail_id`] of [`super::DEFAULT_JAIL_ID_BASE`].
     pub jail_id: u32,
+    /// The binary run as the VM's init (`<binary> __pod-init`, [`super::init`]): PID 1 of the
+    /// PID namespace the VM's processes run in, which dies with the process that started the
+    /// VM and takes them all with it. Default: the running binary (the shim and the `microvm`
+    /// tool answer `__pod-init`); another program embedding the backend names the shim's.
+    pub init_binary: PathBuf,
 }
 
 /// A virtio-blk disk on a host file or block device the caller opened; QEMU gets a copy as fd
@@ -145,6 +150,7 @@ impl QemuConfig {
             virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
             jail_id: super::jail_id(super::DEFAULT_JAIL_ID_BASE)
                 .expect("the default jail id range fits"),
+            init_binary: PathBuf::from(super::init::DEFAULT_BINARY),
         }
     }
 

@@ -11,8 +11,10 @@
 //! realizes the device, so the socket must exist), then QEMU. [`QemuVm::start`] returns once the
 //! guest has written to its serial console, i.e. the kernel runs. Every child is killed and reaped
 //! and every file this module created is removed on every path: failed start, [`QemuVm::stop`],
-//! and drop. Children are also sent SIGKILL by the kernel if the thread that started them exits
-//! (`PR_SET_PDEATHSIG` is tied to the spawning *thread*): start a VM from a thread that outlives it.
+//! and drop. The children run in a PID namespace of the VM's own whose init ([`init`], the
+//! running binary's `__pod-init`) gets SIGKILL from the kernel when the thread that started it
+//! exits (`PR_SET_PDEATHSIG` is tied to the spawning *thread*): then the kernel kills every
+//! process of the namespace, whatever its uid. Start a VM from a thread that outlives it.
 
 use std::fs;
 use std::io;
@@ -24,6 +26,7 @@ use std::time::{Duration, Instant};
 
 mod cmdline;
 mod config;
+pub mod init;
 mod process;
 
 pub use cmdline::host_tsc_khz;
@@ -32,6 +35,7 @@ pub use config::{
     disk_fd, QemuConfig, QemuDisk, QemuNic, QemuSharedFs, CONSOLE_FD, DEFAULT_VIRTIOFSD, MAX_DISKS,
     MAX_NICS, NIC_FD_BASE,
 };
+use init::{PodInit, PodInitError};
 use process::{
     confine_helper, create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file,
     terminate, ConsolePump, HelperIds, VmPaths,
@@ -196,6 +200,8 @@ pub enum QemuError {
         id: u32,
         source: io::Error,
     },
+    #[error(transparent)]
+    Init(#[from] PodInitError),
     #[error("cannot wait for {binary} (pid {pid}): {source}")]
     Wait {
         binary: PathBuf,
@@ -250,6 +256,8 @@ pub fn virtiofsd_args(socket: &Path, source: &Path) -> Vec<std::ffi::OsString> {
 /// processes and removes its sockets and logs (a caller-named console log excepted).
 #[derive(Debug)]
 pub struct QemuVm {
+    /// PID 1 of the namespace the processes below run in (dropped after them).
+    init: Option<PodInit>,
     qemu: Option<Child>,
     backend: Option<Child>,
     virtiofsd: Option<Child>,
@@ -271,6 +279,7 @@ impl QemuVm {
         cfg.validate()?;
         let paths = VmPaths::new(&cfg)?;
         let mut vm = QemuVm {
+            init: None,
             qemu: None,
             backend: None,
             virtiofsd: None,
@@ -284,6 +293,7 @@ impl QemuVm {
             qemu_args: Vec::new(),
         };
         // On error `vm` is dropped here, which kills, reaps and removes.
+        vm.init = Some(PodInit::start(&cfg.init_binary, &cfg.work_dir)?);
         vm.start_backend(&cfg)?;
         vm.start_virtiofsd(&cfg)?;
         vm.start_qemu(&cfg)?;
@@ -314,7 +324,7 @@ impl QemuVm {
         // Before spawn_tied_to_parent's: its parent-death signal must come after the drop to
         // the jail id, which would clear it.
         confine_helper(&mut cmd, HelperIds::Jail(cfg.jail_id));
-        self.backend = Some(spawn_tied_to_parent(&mut cmd, &cfg.vhost_vsock_binary)?);
+        self.backend = Some(self.spawn(&mut cmd, &cfg.vhost_vsock_binary)?);
         let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
         loop {
             // It binds the hybrid-vsock socket first, then the vhost-user socket it serves on.
@@ -364,7 +374,7 @@ impl QemuVm {
                 max_files: process::VIRTIOFSD_MAX_FILES,
             },
         );
-        self.virtiofsd = Some(spawn_tied_to_parent(&mut cmd, &cfg.virtiofsd_binary)?);
+        self.virtiofsd = Some(self.spawn(&mut cmd, &cfg.virtiofsd_binary)?);
         let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
         loop {
             if self.paths.virtiofs_socket.exists() {
@@ -406,7 +416,7 @@ impl QemuVm {
         // A fresh console log, so "the guest wrote something" is well defined.
         let console = ConsolePump::start(&self.paths.console_log, cfg.console_log_bytes)?;
         let console_fd = console.qemu_fd();
-        let console = self.console.insert(console);
+        self.console = Some(console);
         let stderr = create_file(&self.paths.qemu_stderr)?;
         self.qemu_args = qemu_args(cfg, &self.paths, &self.cmdline);
         let mut cmd = Command::new(&cfg.qemu_binary);
@@ -415,11 +425,22 @@ impl QemuVm {
             .stdout(Stdio::null())
             .stderr(stderr);
         pass_fds(&mut cmd, &cfg.nics, &cfg.disks, console_fd);
-        let spawned = spawn_tied_to_parent(&mut cmd, &cfg.qemu_binary);
+        let spawned = self.spawn(&mut cmd, &cfg.qemu_binary);
         // QEMU has its own copy now (or never will): ours would keep the copy from ending.
-        console.release_qemu_end();
+        if let Some(console) = self.console.as_mut() {
+            console.release_qemu_end();
+        }
         self.qemu = Some(spawned?);
         Ok(())
+    }
+
+    /// Spawns `cmd` as a child of this thread in the init's PID namespace.
+    fn spawn(&self, cmd: &mut Command, binary: &Path) -> Result<Child, QemuError> {
+        let init = self.init.as_ref().ok_or_else(|| {
+            QemuError::InvalidConfig("the VM's processes start after its init".into())
+        })?;
+        let _entered = init.enter()?;
+        spawn_tied_to_parent(cmd, binary)
     }
 
     fn wait_for_first_output(&mut self, timeout: Duration) -> Result<(), QemuError> {
@@ -517,19 +538,22 @@ impl QemuVm {
         &self.qemu_args
     }
 
-    /// Pids of QEMU and of vhost-device-vsock while they run (not yet reaped).
+    /// Pids of the VM's init (killing it kills the rest), QEMU, vhost-device-vsock and
+    /// virtiofsd while they run (not yet reaped).
     pub fn pids(&self) -> Vec<u32> {
-        self.qemu
+        self.init
             .iter()
-            .chain(self.backend.iter())
-            .chain(self.virtiofsd.iter())
-            .map(Child::id)
+            .map(PodInit::pid)
+            .chain(self.qemu.iter().map(Child::id))
+            .chain(self.backend.iter().map(Child::id))
+            .chain(self.virtiofsd.iter().map(Child::id))
             .collect()
     }
 
     /// Waits up to `timeout` for QEMU to exit by itself (the guest rebooted, powered off or
     /// QEMU failed). Returns its exit status, or `None` if it still runs. Once QEMU has exited,
-    /// the vsock backend is stopped and the sockets removed; the logs stay until drop.
+    /// the vsock backend, virtiofsd and the VM's init are stopped and the sockets removed; the
+    /// logs stay until drop.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>, QemuError> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -546,8 +570,8 @@ impl QemuVm {
     }
 
     /// Stops the VM: SIGTERM to QEMU, SIGKILL if it has not exited within a few seconds; then
-    /// the same for vhost-device-vsock. Removes the sockets (the logs stay until drop). Returns
-    /// QEMU's status.
+    /// the same for vhost-device-vsock and virtiofsd; then ends the VM's init. Removes the
+    /// sockets (the logs stay until drop). Returns QEMU's status.
     pub fn stop(&mut self) -> Result<ExitStatus, QemuError> {
         let status = match self.qemu.as_mut() {
             Some(child) => terminate(child, &self.qemu_binary)?,
@@ -615,6 +639,8 @@ impl QemuVm {
                 log::warn!("{e}");
             }
         }
+        // Every process of its namespace is reaped now: the init goes too (killed, reaped).
+        drop(self.init.take());
     }
 }
 
@@ -626,6 +652,8 @@ impl Drop for QemuVm {
         {
             kill_and_reap(child);
         }
+        // Nothing of the VM runs now; its init goes last (killed and reaped).
+        drop(self.init.take());
         // Its copy ends with QEMU; before the files go, so that it creates none again.
         drop(self.console.take());
         self.paths.remove_all();
@@ -643,12 +671,125 @@ mod tests {
         let initrd = dir.join("i");
         fs::write(&kernel, b"x").unwrap();
         fs::write(&initrd, b"x").unwrap();
-        QemuConfig::new(
+        let mut cfg = QemuConfig::new(
             kernel,
             initrd,
             "/nonexistent/vhost-device-vsock",
             dir.join("w"),
-        )
+        );
+        cfg.init_binary = shim_binary();
+        cfg
+    }
+
+    /// The shim binary of this build (`make build` builds it before the tests): the VM's init
+    /// (`__pod-init`); this test binary is not one.
+    fn shim_binary() -> PathBuf {
+        let exe = std::env::current_exe().unwrap();
+        // <target>/<profile>/deps/<test>
+        let bin = exe
+            .parent()
+            .and_then(Path::parent)
+            .unwrap()
+            .join("containerd-shim-microvm-v1");
+        assert!(
+            bin.is_file(),
+            "{}: build the binaries first (`make build`)",
+            bin.display()
+        );
+        bin
+    }
+
+    #[test]
+    fn a_binary_that_is_not_an_init_is_refused_and_leaves_nothing() {
+        let d = temp_dir("not-init");
+        let mut c = cfg_in(&d);
+        // This test binary: it runs no test for the arguments `__pod-init <dir>` and exits.
+        c.init_binary = PathBuf::from(init::DEFAULT_BINARY);
+        let err = QemuVm::start(c).unwrap_err();
+        assert!(
+            matches!(err, QemuError::Init(PodInitError::NotReady { .. })),
+            "{err}"
+        );
+        assert!(err.to_string().contains("__pod-init"), "{err}");
+        assert!(!d.join("w").exists(), "work dir left behind");
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_vms_processes_die_with_the_thread_that_started_them_whatever_their_uid() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("this test needs root");
+        }
+        let d = temp_dir("init-dies");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let work = d.clone();
+        thread::spawn(move || {
+            let init = PodInit::start(&shim_binary(), &work).unwrap();
+            // A child of another uid with no parent-death signal (as QEMU after `-runas`).
+            let mut cmd = Command::new("sleep");
+            cmd.arg("600");
+            confine_helper(&mut cmd, HelperIds::Jail(2_000_000_124));
+            let child = {
+                let _entered = init.enter().unwrap();
+                cmd.spawn().unwrap()
+            };
+            tx.send((init.pid(), child.id())).unwrap();
+            // The thread ends without dropping either (as a killed shim would).
+            std::mem::forget(child);
+            std::mem::forget(init);
+        })
+        .join()
+        .unwrap();
+        let (init_pid, child) = rx.recv().unwrap();
+        let alive = |pid: u32| {
+            fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+        };
+        // Both are this process's children: each is reaped once it has exited, as the shim's
+        // parent would reap them after a kill -9 of the shim. The init's exit waits until every
+        // process of its namespace is reaped, so the child's zombie must go first.
+        let reap = |pid: u32| {
+            let _ = rustix::process::waitpid(
+                rustix::process::Pid::from_raw(pid as i32),
+                rustix::process::WaitOptions::NOHANG,
+            );
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while (alive(child) || alive(init_pid)) && Instant::now() < deadline {
+            reap(child);
+            reap(init_pid);
+            thread::sleep(POLL);
+        }
+        let (child_left, init_left) = (alive(child), alive(init_pid));
+        // Nothing is left behind on failure either: SIGKILL to the init ends its namespace.
+        for (pid, left) in [(init_pid, init_left), (child, child_left)] {
+            if left {
+                // SAFETY: kill(2) on a child of this process that has not been reaped.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while (alive(child) || alive(init_pid)) && Instant::now() < deadline {
+            reap(child);
+            reap(init_pid);
+            thread::sleep(POLL);
+        }
+        reap(child);
+        reap(init_pid);
+        fs::remove_dir_all(&d).unwrap();
+        assert!(
+            !child_left,
+            "the jailed child {child} outlived the thread that started it"
+        );
+        assert!(
+            !init_left,
+            "the init {init_pid} outlived the thread that started it"
+        );
     }
 
     fn temp_dir(name: &str) -> PathBuf {

@@ -474,9 +474,10 @@ pub(super) fn confine_helper(cmd: &mut Command, ids: HelperIds) {
     }
 }
 
-/// Spawns `cmd` so that the kernel sends it SIGKILL when the spawning thread exits.
+/// Spawns `cmd` so that the kernel sends it SIGKILL when the spawning thread exits (unless it
+/// changes its credentials later, as QEMU's `-runas` does: the VM's init covers that). The
+/// thread has entered the VM's PID namespace ([`super::init::PodInit::enter`]).
 pub(super) fn spawn_tied_to_parent(cmd: &mut Command, binary: &Path) -> Result<Child, QemuError> {
-    let parent = std::process::id();
     // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
     // functions (prctl, getppid, _exit); it touches no locks or allocations.
     unsafe {
@@ -491,8 +492,10 @@ pub(super) fn spawn_tied_to_parent(cmd: &mut Command, binary: &Path) -> Result<C
             {
                 return Err(io::Error::last_os_error());
             }
-            // The parent may have died between fork and prctl: then no signal would come.
-            if libc::getppid() as u32 != parent {
+            // The parent may have died between fork and prctl: then no signal would come. The
+            // parent is outside the child's PID namespace, where getppid says 0; had it died,
+            // the child would have been given to the namespace's init (1).
+            if libc::getppid() != 0 {
                 libc::_exit(1);
             }
             Ok(())
