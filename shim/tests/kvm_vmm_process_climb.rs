@@ -9,6 +9,11 @@
 //! the host while the pod lives (a slave, as systemd's services are) keeps none of the pod's
 //! mounts after the pod is gone. Needs root, /dev/kvm and the built test guests.
 //!
+//! Second test: each thread role that makes a call outside its filter's list (`openat` of a
+//! host path, `socket(AF_INET)`, `execve`, `ptrace`) ends its VMM process by `SIGSYS`, with the
+//! jail's report line (thread and system call) on the process's standard error, which is the
+//! shim's log, and "killed by its seccomp filter" as the VM's end (the pod's exit reason).
+//!
 //! `harness = false`: this executable is also the VMM process (`<exe> __vmm <fd> <work>`), so
 //! that the attacking thread runs in it ([`vmm::jail::split::serve_with`]); the product binary
 //! has no such thread.
@@ -32,6 +37,17 @@ use vmm::jail::{Needs, Role, ThreadFilter};
 const MARKER_ENV: &str = "MICROVM_TEST_CLIMB_MARKER";
 /// The share's path, which the file server opens its root by.
 const SHARE_ENV: &str = "MICROVM_TEST_CLIMB_SHARE";
+/// Which attack the VMM process's extra thread makes: `climb`, or `sigsys:<n>` (the n-th of
+/// [`FORBIDDEN`]).
+const ATTACK_ENV: &str = "MICROVM_TEST_ATTACK";
+/// A role and a call outside its list: (role, the call's name, its number).
+const FORBIDDEN: [(Role, &str, libc::c_long); 5] = [
+    (Role::Vcpu, "openat", libc::SYS_openat),
+    (Role::DeviceLoop, "socket", libc::SYS_socket),
+    (Role::FsWorker, "execve", libc::SYS_execve),
+    (Role::Control, "ptrace", libc::SYS_ptrace),
+    (Role::PageSharing, "socket", libc::SYS_socket),
+];
 /// What the attacking thread found, in the work folder.
 const RESULT: &str = "climb.txt";
 const MARKER_TEXT: &str = "a host file outside the share";
@@ -112,10 +128,46 @@ fn vmm_main(args: &[String]) -> i32 {
     let (Some(fd), Some(work)) = (args.get(2), args.get(3)) else {
         return 2;
     };
+    let attack = std::env::var(ATTACK_ENV).unwrap_or_default();
+    if let Some(n) = attack.strip_prefix("sigsys:") {
+        let (role, _, nr) = FORBIDDEN[n.parse::<usize>().expect("a FORBIDDEN index")];
+        return vmm::jail::split::serve_with(fd, Some(Box::new(move || forbidden(role, nr))));
+    }
     let marker = PathBuf::from(std::env::var_os(MARKER_ENV).expect("the marker"));
     let share = PathBuf::from(std::env::var_os(SHARE_ENV).expect("the share"));
     let work = PathBuf::from(work);
     vmm::jail::split::serve_with(fd, Some(Box::new(move || climb(work, marker, share))))
+}
+
+/// A hijacked thread of `role`: its filter, then the call `nr`, which the filter forbids. The
+/// process must die of it; if it returns, the thread says so on standard error and stops.
+fn forbidden(role: Role, nr: libc::c_long) {
+    let needs = Needs {
+        vfio: false,
+        shared_fs: false,
+    };
+    if let Err(e) = ThreadFilter::new(role, needs).and_then(|f| f.install()) {
+        eprintln!("attack: the {} filter: {e}", role.name());
+        return;
+    }
+    let path = c"/etc/hostname";
+    let argv = [path.as_ptr(), std::ptr::null()];
+    // SAFETY: each call takes only these valid, NUL-terminated pointers or plain numbers; the
+    // filter traps it before the kernel runs it (and were it let through: openat of a host
+    // file read-only, a socket, an exec of a non-executable file, PTRACE_TRACEME; none touches
+    // this process's memory).
+    let ret = unsafe {
+        match nr {
+            libc::SYS_openat => libc::syscall(nr, libc::AT_FDCWD, path.as_ptr(), libc::O_RDONLY),
+            libc::SYS_socket => libc::syscall(nr, libc::AF_INET, libc::SOCK_STREAM, 0),
+            libc::SYS_execve => libc::syscall(nr, path.as_ptr(), argv.as_ptr(), argv.as_ptr()),
+            _ => libc::syscall(nr, libc::PTRACE_TRACEME, 0, 0, 0),
+        }
+    };
+    eprintln!(
+        "attack: system call {nr} on the {} thread returned {ret}",
+        role.name()
+    );
 }
 
 // ---- The test ----
@@ -300,15 +352,72 @@ fn a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates(
     );
 }
 
+fn each_thread_role_that_makes_a_forbidden_call_ends_its_vmm_process_with_the_reason() {
+    let share = tempfile::tempdir().unwrap();
+    for (n, (role, call, nr)) in FORBIDDEN.iter().enumerate() {
+        let work = tempfile::tempdir().unwrap();
+        let log_path = work.path().join("stderr.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let desc = VmDescription {
+            shared_fs: None,
+            ..description(work.path(), share.path())
+        };
+        // SAFETY: the harness is ours and runs one test at a time, single-threaded here; the
+        // VMM process inherits the environment.
+        std::env::set_var(ATTACK_ENV, format!("sigsys:{n}"));
+        let exe = std::env::current_exe().unwrap();
+        let mut vmm =
+            VmmProcess::spawn(&exe, &desc, Some(log.as_fd()), Duration::from_secs(30)).unwrap();
+        let end = vmm.wait_timeout(Duration::from_secs(20));
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let Some(end) = end else {
+            let _ = vmm.stop(Duration::from_secs(5));
+            panic!(
+                "{} thread's {call}: the VMM process lives on\n{text}",
+                role.name()
+            );
+        };
+        eprintln!("{} thread, {call}: {}", role.name(), end.describe());
+        assert!(
+            end.by_seccomp(),
+            "{} thread's {call}: {end:?}\n{text}",
+            role.name()
+        );
+        assert!(
+            end.describe().contains("killed by its seccomp filter"),
+            "{}",
+            end.describe()
+        );
+        let line = format!("made system call {nr}, which its seccomp filter forbids");
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("vmm jail: thread ") && l.contains(&line)),
+            "{} thread's {call}: no report line in the VMM's standard error:\n{text}",
+            role.name()
+        );
+    }
+    std::env::remove_var(ATTACK_ENV);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(vmm::jail::split::SUBCOMMAND) {
         std::process::exit(vmm_main(&args));
     }
-    const NAME: &str =
-        "a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates";
+    const TESTS: [(&str, fn()); 2] = [
+        (
+            "a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates",
+            a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates,
+        ),
+        (
+            "each_thread_role_that_makes_a_forbidden_call_ends_its_vmm_process_with_the_reason",
+            each_thread_role_that_makes_a_forbidden_call_ends_its_vmm_process_with_the_reason,
+        ),
+    ];
     if args.iter().any(|a| a == "--list") {
-        println!("{NAME}: test");
+        for (name, _) in TESTS {
+            println!("{name}: test");
+        }
         return;
     }
     let filters: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with('-')).collect();
@@ -319,22 +428,28 @@ fn main() {
         .map(|w| &w[1])
         .collect();
     let filters: Vec<&&String> = filters.iter().filter(|f| !values.contains(f)).collect();
-    if !filters.is_empty() && !filters.iter().any(|f| NAME.contains(f.as_str())) {
-        println!("running 0 tests");
-        println!("test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out");
-        return;
-    }
+    let chosen: Vec<(&str, fn())> = TESTS
+        .into_iter()
+        .filter(|(name, _)| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str())))
+        .collect();
     // The lines libtest prints, which the CI's count reads.
-    println!("running 1 test");
-    let outcome = std::panic::catch_unwind(
-        a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates,
+    println!("running {} tests", chosen.len());
+    let (mut passed, mut failed) = (0, 0);
+    for (name, test) in &chosen {
+        if std::panic::catch_unwind(*test).is_ok() {
+            println!("test {name} ... ok");
+            passed += 1;
+        } else {
+            println!("test {name} ... FAILED");
+            failed += 1;
+        }
+    }
+    let filtered = TESTS.len() - chosen.len();
+    let verdict = if failed == 0 { "ok" } else { "FAILED" };
+    println!(
+        "test result: {verdict}. {passed} passed; {failed} failed; 0 ignored; 0 measured; {filtered} filtered out"
     );
-    if outcome.is_ok() {
-        println!("test {NAME} ... ok");
-        println!("test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out");
-    } else {
-        println!("test {NAME} ... FAILED");
-        println!("test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out");
+    if failed > 0 {
         std::process::exit(101);
     }
 }
