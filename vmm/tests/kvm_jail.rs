@@ -16,6 +16,18 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use vmm::{SerialSink, Vm, VmExit};
 
+/// Held by each test that runs a VM in this process: the thread checks read every `vmm-`
+/// thread of the process, so a VM of another test running beside them would be counted (a
+/// CI run saw the page-sharing test's threads in `with_the_jail_off_no_thread_is_filtered`).
+static ONE_VM_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_vm_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    // A test that failed holding it poisons it; the next test's VM is still alone.
+    ONE_VM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// `Seccomp:` and `NoNewPrivs:` of every thread of this process whose name starts with
 /// `prefix`: (name, seccomp mode, no_new_privs).
 fn thread_confinement(prefix: &str) -> Vec<(String, String, String)> {
@@ -53,6 +65,7 @@ fn wait_for(cap: &Capture, needle: &str) {
 
 #[test]
 fn every_vm_thread_runs_under_its_filter_and_the_embedders_do_not() {
+    let _alone = one_vm_at_a_time();
     let (cfg, cap) = config("idle", 2, 64);
     let h = Vm::start(cfg).unwrap();
     wait_for(&cap, "halting forever");
@@ -76,6 +89,7 @@ fn every_vm_thread_runs_under_its_filter_and_the_embedders_do_not() {
 
 #[test]
 fn with_the_jail_off_no_thread_is_filtered() {
+    let _alone = one_vm_at_a_time();
     let (mut cfg, cap) = config("idle", 1, 64);
     cfg.jail = false;
     let h = Vm::start(cfg).unwrap();
@@ -198,6 +212,7 @@ fn newc(name: &str, data: &[u8]) -> Vec<u8> {
 /// second) and the kernel text captured, nothing it does is outside its filter.
 #[test]
 fn sharing_passes_with_an_initrd_run_under_the_page_sharing_filter() {
+    let _alone = one_vm_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let data: Vec<u8> = (0..5 * 4096u32).map(|i| (i % 251) as u8).collect();
     let initrd = dir.path().join("initrd.cpio");
