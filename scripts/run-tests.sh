@@ -14,7 +14,11 @@ export MICROVM_HOSTILE_INITRD=${MICROVM_HOSTILE_INITRD:-$PWD/build/initrd-hostil
 export MICROVM_GUEST_DIR=${MICROVM_GUEST_DIR:-$PWD/build/guests}
 export MICROVM_BIN_DIR=${MICROVM_BIN_DIR:-$PWD/target/release}
 
-echo "== lint"
+# Each section's header says when it began, in minutes and seconds since this script started
+# (after make built what it needs): where a run's time goes (CI's budget is 80 minutes cold).
+elapsed() { printf '%dm%02ds' $((SECONDS / 60)) $((SECONDS % 60)); }
+
+echo "== lint (at $(elapsed))"
 cargo fmt --all -- --check || exit 1
 cargo clippy --release --workspace --all-targets -- -D warnings || exit 1
 
@@ -29,13 +33,13 @@ embedded=$(mktemp)
 trap 'rm -f "$results" "$embedded"' EXIT
 status_all=0
 
-echo "== tests"
+echo "== tests (at $(elapsed))"
 # Integration tests boot VMs; two at a time is what two cores carry without timeouts. Every test
 # binary runs even when one before it failed (--no-fail-fast): each one's result line counts.
 # The Sandbox API tests (`shim_sandboxer_*`) need containerd 2.x: they run in the 2.1 section below.
 cargo test --release --workspace --no-fail-fast -- --test-threads=2 --skip shim_sandboxer_ 2>&1 | tee -a "$results" || status_all=1
 
-echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend)"
+echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend) (at $(elapsed))"
 # The same suites against trixie's containerd 1.7 and sid's 2.1, unpacked privately into the
 # cache (scripts/install-containerd.sh; never installed over the system's). They count like the
 # others. Every pod suite runs on both (docs/testing-containerd.md says where the releases differ:
@@ -66,9 +70,9 @@ done
 # counts as one test.
 side_log=$(mktemp)
 (
-  echo "== fuzz smoke"
+  echo "== fuzz smoke (at $(elapsed))"
   nice -n 19 scripts/fuzz-smoke.sh
-  echo "== cargo deny"
+  echo "== cargo deny (at $(elapsed))"
   if deny=$(INSTALL_NICE=19 scripts/install-cargo-deny.sh | tail -n 1) &&
     "$deny/cargo-deny" --offline check licenses bans sources; then
     echo "cargo deny: ok"
@@ -79,7 +83,7 @@ side_log=$(mktemp)
 side_pid=$!
 trap 'kill $side_pid 2>/dev/null; rm -f "$results" "$embedded" "$side_log"' EXIT
 
-echo "== linux guests on the embedded vmm"
+echo "== linux guests on the embedded vmm (at $(elapsed))"
 # The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
 # name. The first two and the page-sharing and VMM-process suites are #[ignore]d in the plain run
 # (counted here, where they run).
@@ -177,7 +181,7 @@ if [ -z "$fuzz_line" ]; then
 fi
 if grep -qx 'cargo deny: ok' "$side_log"; then deny=ok; else deny=FAILED; fi
 
-echo "== leftovers"
+echo "== leftovers (at $(elapsed))"
 # report_left WHAT NONE LIST: LIST (one item a line) is what the tests left of WHAT; empty: NONE.
 report_left() {
   if [ -n "$3" ]; then
@@ -236,5 +240,6 @@ failed=$(( failed + fuzz_crashed ))
 if [ "$deny" = ok ]; then passed=$(( passed + 1 )); else failed=$(( failed + 1 )); fi
 [ $failed -eq 0 ] || status_all=1
 if [ -n "$lane_summary" ]; then echo "$lane_summary"; fi
+echo "time: $(elapsed)"
 echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped (with ${fuzz_targets} fuzz targets, ${fuzz_crashed} crashed; cargo deny ${deny})"
 exit $status_all
