@@ -363,3 +363,45 @@ fn pivot_into_cwd_read_only() -> Result<(), ProcessJailError> {
     .map_err(sys("making the new root read-only"))?;
     Ok(())
 }
+
+/// Forks this process (a fork-like `clone`: no new stack, the child runs on a copy of this one)
+/// with the child as PID 1 of a new PID namespace, and returns, in the parent, the child's
+/// pidfd and its pid in this namespace. The VMM process and the QEMU backend's pod init both
+/// start so.
+///
+/// # Safety
+/// `child` runs in the child of a fork of a possibly multi-threaded process: it may make only
+/// raw system calls (no allocation, no lock) and should exec or exit (if it returns, the child
+/// exits with status 127).
+pub unsafe fn clone_into_new_pid_namespace(
+    child: impl FnOnce(),
+) -> std::io::Result<(std::os::fd::OwnedFd, u32)> {
+    use std::os::fd::FromRawFd;
+    let mut pidfd: libc::c_int = -1;
+    let flags = (libc::CLONE_NEWPID | libc::CLONE_PIDFD | libc::SIGCHLD) as libc::c_ulong;
+    // SAFETY: a fork-like clone; the child only runs `child`, which the caller promises makes
+    // raw system calls and execs or exits. The kernel writes the pidfd to `pidfd` (CLONE_PIDFD
+    // through clone's parent_tid).
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            flags,
+            0usize,
+            &mut pidfd as *mut libc::c_int,
+            0usize,
+            0usize,
+        )
+    };
+    if ret < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if ret == 0 {
+        child();
+        // SAFETY: `child` should have exec'd or exited; leave at once without running anything
+        // of the parent's copy.
+        unsafe { libc::_exit(127) }
+    }
+    // SAFETY: the kernel gave us this new descriptor (CLONE_PIDFD); nothing else owns it.
+    let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(pidfd) };
+    Ok((pidfd, ret as u32))
+}

@@ -313,35 +313,16 @@ impl VmmProcess {
             keep,
             stderr: stderr.map_or(-1, |f| f.as_raw_fd()),
         };
-        let mut pidfd: libc::c_int = -1;
-        let flags = (libc::CLONE_NEWPID | libc::CLONE_PIDFD | libc::SIGCHLD) as libc::c_ulong;
-        // SAFETY: a fork-like clone (no new stack: the child runs on a copy of this one); the
-        // child only runs `exec_child`, which makes raw system calls and execs or exits. The
-        // kernel writes the pidfd to `pidfd` (CLONE_PIDFD through clone's parent_tid).
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_clone,
-                flags,
-                0usize,
-                &mut pidfd as *mut libc::c_int,
-                0usize,
-                0usize,
-            )
-        };
-        if ret < 0 {
-            return Err(SplitError::Spawn(std::io::Error::last_os_error()));
-        }
-        if ret == 0 {
-            // SAFETY: this is the child of the clone above.
-            unsafe { exec_child(&plan) }
-        }
+        // SAFETY: the child only runs `exec_child`, which makes raw system calls and execs or
+        // exits.
+        let (pidfd, pid) =
+            unsafe { super::process::clone_into_new_pid_namespace(|| exec_child(&plan)) }
+                .map_err(SplitError::Spawn)?;
         drop(theirs);
-        // SAFETY: the kernel gave us this new descriptor (CLONE_PIDFD); nothing else owns it.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
         let mut vmm = VmmProcess {
             channel: ours,
             pidfd,
-            pid: ret as u32,
+            pid,
             detail: String::new(),
             said: None,
             end: None,

@@ -148,38 +148,16 @@ impl PodInit {
             ready: theirs.as_raw_fd(),
             shim: shim.as_raw_fd(),
         };
-        let mut pidfd: libc::c_int = -1;
-        let flags = (libc::CLONE_NEWPID | libc::CLONE_PIDFD | libc::SIGCHLD) as libc::c_ulong;
-        // SAFETY: a fork-like clone (no new stack: the child runs on a copy of this one); the
-        // child only runs `exec_child`, which makes raw system calls and execs or exits. The
-        // kernel writes the pidfd to `pidfd` (CLONE_PIDFD through clone's parent_tid).
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_clone,
-                flags,
-                0usize,
-                &mut pidfd as *mut libc::c_int,
-                0usize,
-                0usize,
-            )
-        };
-        if ret < 0 {
-            return Err(PodInitError::Clone {
-                binary: binary.to_path_buf(),
-                source: io::Error::last_os_error(),
-            });
-        }
-        if ret == 0 {
-            // SAFETY: this is the child of the clone above.
-            unsafe { exec_child(&plan) }
-        }
+        // SAFETY: the child only runs `exec_child`, which makes raw system calls and execs or
+        // exits.
+        let (pidfd, pid) =
+            unsafe { vmm::jail::process::clone_into_new_pid_namespace(|| exec_child(&plan)) }
+                .map_err(|source| PodInitError::Clone {
+                    binary: binary.to_path_buf(),
+                    source,
+                })?;
         drop(theirs);
-        // SAFETY: the kernel gave us this new descriptor (CLONE_PIDFD); nothing else owns it.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-        let init = PodInit {
-            pidfd,
-            pid: ret as u32,
-        };
+        let init = PodInit { pidfd, pid };
         // From here, dropping `init` kills and reaps it.
         let not_ready = |reason: String| PodInitError::NotReady {
             binary: binary.to_path_buf(),
