@@ -110,9 +110,10 @@ pub struct LifecycleOptions {
     /// A failed ExecSync is recorded in [`LifecycleOutcome::exec_error`] instead of ending the
     /// lifecycle early.
     pub tolerate_exec_failure: bool,
-    /// For pods whose shim holds the VM (the embedded VMM): the VM's guest memory in bytes. The
-    /// idle memory then also splits the shim's memory into the guest RAM the guest touched and
-    /// the rest ([`PodMemory::shim_split`]); a guest RAM mapping not found is an error.
+    /// For pods on the embedded VMM: the VM's guest memory in bytes. The idle memory then also
+    /// splits the memory of the process holding the VM (the VMM's process, or the shim) into
+    /// the guest RAM the guest touched and the rest ([`PodMemory::vm_split`]); a guest RAM
+    /// mapping not found is an error.
     pub split_guest_ram_of: Option<u64>,
 }
 
@@ -173,7 +174,7 @@ pub async fn timed_pod_lifecycle_with(
             tokio::time::sleep(settle).await;
             let mut memory = pod_host_memory(ctrd, &pod.id);
             if let Some(guest_bytes) = opts.split_guest_ram_of {
-                memory.shim_split = Some(shim_guest_ram_split(&processes, guest_bytes)?);
+                memory.vm_split = Some(vm_guest_ram_split(&processes, guest_bytes)?);
             }
             Some(memory)
         }
@@ -286,6 +287,37 @@ pub struct PodProcess {
     pub cmdline: String,
 }
 
+/// The name [`PodMemory`] gives the embedded VMM's process of a pod (its `comm` is the shim's,
+/// `containerd-shim`, since it runs the same binary), so the shim and its VMM count apart.
+pub const VMM_PROCESS_NAME: &str = "vmm process";
+
+impl PodProcess {
+    /// Whether this is the embedded VMM's process of a pod (`vmm_process = true`, the
+    /// default): the shim's binary run as `<shim> __vmm …`.
+    pub fn is_vmm_process(&self) -> bool {
+        self.cmdline.split(' ').nth(1) == Some("__vmm")
+    }
+
+    /// The name to count this process's memory under: [`VMM_PROCESS_NAME`] for the VMM's
+    /// process, else its `comm`.
+    pub fn memory_name(&self) -> String {
+        if self.is_vmm_process() {
+            VMM_PROCESS_NAME.to_string()
+        } else {
+            self.name.clone()
+        }
+    }
+}
+
+/// The process of a pod that holds its guest RAM on the embedded VMM: the VMM's own process
+/// when it runs in one, else the shim (the first of [`pod_processes`], parents first).
+pub fn guest_ram_holder(processes: &[PodProcess]) -> Option<&PodProcess> {
+    processes
+        .iter()
+        .find(|p| p.is_vmm_process())
+        .or_else(|| processes.first())
+}
+
 /// The host processes of pod `pod_id` of this containerd: its shim (started with the
 /// instance's address and the pod id) and all of the shim's descendants, parents first.
 pub fn pod_processes(ctrd: &PrivateContainerd, pod_id: &str) -> Vec<PodProcess> {
@@ -369,9 +401,13 @@ fn process_table() -> Vec<ProcEntry> {
 pub struct PodMemory {
     /// `(pid, process name, PSS bytes)` of every process of the pod.
     pub processes: Vec<(i32, String, u64)>,
-    /// With [`LifecycleOptions::split_guest_ram_of`]: the shim process (which holds the VMM and
-    /// the guest RAM) split into guest RAM and the rest, read right after `processes`.
-    pub shim_split: Option<GuestRamSplit>,
+    /// With [`LifecycleOptions::split_guest_ram_of`]: the process that holds the guest RAM
+    /// ([`guest_ram_holder`]: the VMM's own process, or the shim when the VMM runs in it) split
+    /// into guest RAM and the rest, read right after `processes`.
+    pub vm_split: Option<GuestRamSplit>,
+    /// Whether the VMM ran in a process of its own ([`VMM_PROCESS_NAME`] in `processes`), so
+    /// `vm_split`'s own part is the VMM's alone and the shim counts apart.
+    pub vmm_in_own_process: bool,
     /// The pod's host cgroup (`microvm` pods; read right after `processes`).
     pub host_cgroup: Option<crate::host_cgroup::HostCgroup>,
 }
@@ -379,6 +415,15 @@ pub struct PodMemory {
 impl PodMemory {
     pub fn total(&self) -> u64 {
         self.processes.iter().map(|(_, _, b)| b).sum()
+    }
+
+    /// The PSS of the processes named `name` (e.g. `containerd-shim`, [`VMM_PROCESS_NAME`]).
+    pub fn named(&self, name: &str) -> u64 {
+        self.processes
+            .iter()
+            .filter(|(_, n, _)| n == name)
+            .map(|(_, _, b)| b)
+            .sum()
     }
 
     /// PSS summed per process name, largest first: `[("qemu-system-x86", bytes), …]`.
@@ -402,7 +447,7 @@ impl PodMemory {
 pub fn pod_host_memory(ctrd: &PrivateContainerd, pod_id: &str) -> PodMemory {
     let mut processes: Vec<(i32, String, u64)> = pod_processes(ctrd, pod_id)
         .into_iter()
-        .map(|p| (p.pid, p.name, pss_bytes(p.pid)))
+        .map(|p| (p.pid, p.memory_name(), pss_bytes(p.pid)))
         .collect();
     for pid in ctrd.pod_cgroup_pids() {
         if !processes.iter().any(|(p, _, _)| *p == pid) {
@@ -412,9 +457,11 @@ pub fn pod_host_memory(ctrd: &PrivateContainerd, pod_id: &str) -> PodMemory {
             processes.push((pid, name, pss_bytes(pid)));
         }
     }
+    let vmm_in_own_process = processes.iter().any(|(_, n, _)| n == VMM_PROCESS_NAME);
     PodMemory {
         processes,
-        shim_split: None,
+        vm_split: None,
+        vmm_in_own_process,
         host_cgroup: crate::host_cgroup::HostCgroup::of_pod(ctrd.cgroup_parent(), pod_id),
     }
 }
@@ -643,17 +690,17 @@ pub fn guest_ram_split_of(pid: i32, guest_bytes: u64) -> Result<GuestRamSplit, L
         .map_err(|reason| LifecycleError::GuestRam { pid, reason })
 }
 
-/// The split of a pod's shim (the first of its processes, [`pod_processes`] lists parents
-/// first), which holds the VM under the embedded VMM.
-fn shim_guest_ram_split(
+/// The split of the pod's process that holds the VM under the embedded VMM
+/// ([`guest_ram_holder`]).
+fn vm_guest_ram_split(
     processes: &[PodProcess],
     guest_bytes: u64,
 ) -> Result<GuestRamSplit, LifecycleError> {
-    let shim = processes.first().ok_or_else(|| LifecycleError::GuestRam {
+    let holder = guest_ram_holder(processes).ok_or_else(|| LifecycleError::GuestRam {
         pid: 0,
         reason: "the pod has no shim process".to_string(),
     })?;
-    guest_ram_split_of(shim.pid, guest_bytes)
+    guest_ram_split_of(holder.pid, guest_bytes)
 }
 
 /// The accelerator of a pod's QEMU (`TCG`, `KVM`), from its `-accel` argument; `None` when the
@@ -884,13 +931,44 @@ mod tests {
     }
 
     #[test]
+    fn the_vmm_process_holds_the_guest_ram_when_there_is_one() {
+        let p = |pid, name: &str, cmdline: &str| PodProcess {
+            pid,
+            name: name.into(),
+            cmdline: cmdline.into(),
+        };
+        let shim = p(
+            10,
+            "containerd-shim",
+            "/usr/bin/containerd-shim-microvm-v1 -namespace k8s.io -id pod1",
+        );
+        let vmm = p(
+            11,
+            "containerd-shim",
+            "/usr/bin/containerd-shim-microvm-v1 __vmm 5 /run/microvm/pod1",
+        );
+        let other = p(12, "sh", "sh -c __vmm");
+        assert_eq!(guest_ram_holder(std::slice::from_ref(&shim)), Some(&shim));
+        assert_eq!(
+            guest_ram_holder(&[shim.clone(), other.clone(), vmm.clone()]),
+            Some(&vmm)
+        );
+        assert!(vmm.is_vmm_process() && !shim.is_vmm_process() && !other.is_vmm_process());
+        assert_eq!(vmm.memory_name(), VMM_PROCESS_NAME);
+        assert_eq!(shim.memory_name(), "containerd-shim");
+        assert_eq!(guest_ram_holder(&[]), None);
+    }
+
+    #[test]
     fn pod_memory_sums_per_name() {
         let m = PodMemory {
             processes: vec![(1, "a".into(), 5), (2, "b".into(), 7), (3, "a".into(), 4)],
-            shim_split: None,
+            vm_split: None,
+            vmm_in_own_process: false,
             host_cgroup: None,
         };
         assert_eq!(m.total(), 16);
+        assert_eq!(m.named("a"), 9);
         assert_eq!(
             m.by_name(),
             vec![("a".to_string(), 9), ("b".to_string(), 7)]

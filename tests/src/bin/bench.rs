@@ -1047,11 +1047,14 @@ async fn pod_bench() -> Result<()> {
     // beyond guest RAM. On the embedded VMM the guest RAM is split out of the cgroup's peak;
     // on QEMU it is not, so the whole idle peak counts as host side (an upper bound).
     // The cgroup charges memory where it was allocated: what the shim allocated before it moved
-    // into the pod's cgroup stays charged elsewhere, so its own PSS counts where it is larger.
-    let (host_side, how) = match ours_mem.shim_split {
+    // into the pod's cgroup stays charged elsewhere, so its own PSS (with its VMM process's own,
+    // when the VMM runs in one) counts where it is larger.
+    let (host_side, how) = match ours_mem.vm_split {
         Some(s) => (
-            cg_peak.saturating_sub(s.guest_rss).max(s.own_pss()),
-            "the larger of the cgroup peak minus the guest RAM resident and the shim's own PSS",
+            cg_peak
+                .saturating_sub(s.guest_rss)
+                .max(host_own(&ours_mem, &s)),
+            "the larger of the cgroup peak minus the guest RAM resident and the shim's and VMM's own PSS",
         ),
         None => (
             cg_peak,
@@ -1072,15 +1075,15 @@ async fn pod_bench() -> Result<()> {
             .join(", ")
     };
     if backend.embedded() {
-        // The shim holds the VMM and the guest RAM: split it. Every pod was split (or its
-        // lifecycle failed), so the median pod has its split.
+        // The VMM's process (or the shim, with the VMM in it) holds the guest RAM: split it.
+        // Every pod was split (or its lifecycle failed), so the median pod has its split.
         let split = |m: &PodMemory| {
-            m.shim_split
+            m.vm_split
                 .context("an embedded-VMM pod without the guest RAM split")
         };
         let s = split(&ours_mem)?;
-        let guest = |m: &PodMemory| m.shim_split.map(|s| s.guest_pss).unwrap_or(0);
-        let own = |m: &PodMemory| m.shim_split.map(|s| s.own_pss()).unwrap_or(0);
+        let guest = |m: &PodMemory| m.vm_split.map(|s| s.guest_pss).unwrap_or(0);
+        let own = |m: &PodMemory| m.vm_split.map_or(0, |s| host_own(m, &s));
         println!(
             "pod_idle_guest_ram_touched ours={:.1}MiB (PSS; RSS {:.1}MiB of the {:.0}MiB guest \
              RAM mapping, found {}; of it mapped from the boot files: PSS {:.1}MiB, RSS \
@@ -1093,16 +1096,30 @@ async fn pod_bench() -> Result<()> {
             mib(s.file_rss),
             range(&ours_all, &guest)
         );
+        let parts = if ours_mem.vmm_in_own_process {
+            format!(
+                "the shim {:.1}MiB + the VMM process beyond guest RAM {:.1}MiB: VMM, devices",
+                mib(host_own(&ours_mem, &s).saturating_sub(s.own_pss())),
+                mib(s.own_pss())
+            )
+        } else {
+            "the shim process beyond guest RAM: shim, VMM, devices".to_string()
+        };
         println!(
-            "pod_idle_vmm_own_memory ours={:.1}MiB (PSS of the shim process beyond guest RAM: \
-             shim, VMM, devices) {tag} (range over the pods: {})",
-            mib(s.own_pss()),
+            "pod_idle_vmm_own_memory ours={:.1}MiB (PSS of the pod's processes beyond guest RAM: \
+             {parts}) {tag} (range over the pods: {})",
+            mib(host_own(&ours_mem, &s)),
             range(&ours_all, &own)
         );
         println!(
-            "# ours idle pod (median) by process, PSS: {}; the shim process {:.1}MiB = guest RAM \
-             {:.1}MiB + its own {:.1}MiB",
+            "# ours idle pod (median) by process, PSS: {}; the {} {:.1}MiB = guest RAM {:.1}MiB + \
+             its own {:.1}MiB",
             by_process(&ours_mem),
+            if ours_mem.vmm_in_own_process {
+                microvm_tests::lifecycle::VMM_PROCESS_NAME
+            } else {
+                "shim process"
+            },
             mib(s.process_pss),
             mib(s.guest_pss),
             mib(s.own_pss())
@@ -1121,6 +1138,12 @@ async fn pod_bench() -> Result<()> {
         bail!("{}", failures.join("; "));
     }
     Ok(())
+}
+
+/// What an embedded-VMM pod's processes hold beyond its guest RAM: the shim, and the VMM
+/// process's own part when the VMM runs in one (the pod's whole PSS less the guest RAM's).
+fn host_own(mem: &PodMemory, split: &microvm_tests::lifecycle::GuestRamSplit) -> u64 {
+    mem.total().saturating_sub(split.guest_pss)
 }
 
 /// Runs of the network part per handler (`BENCH_NET_RUNS`).

@@ -32,7 +32,8 @@ use anyhow::{bail, Result};
 use k8s_cri::v1::PodSandboxConfig;
 use microvm_tests::cri::{container_config, CriClient};
 use microvm_tests::lifecycle::{
-    guest_ram_split_of, pod_processes, pss_bytes, vm_accel, wait_pod_gone, GuestRamSplit,
+    guest_ram_holder, guest_ram_split_of, pod_processes, pss_bytes, vm_accel, wait_pod_gone,
+    GuestRamSplit,
 };
 
 use super::{met, mib, positive_knob, with_log, PodSetup};
@@ -129,10 +130,13 @@ fn meminfo() -> (u64, u64) {
 }
 
 /// A pod's host memory: the PSS of its shim and all the shim's descendants, and, on the
-/// embedded VMM, its shim's guest RAM split.
+/// embedded VMM, the guest RAM split of the process holding the VM (its VMM process, or the
+/// shim with the VMM in it).
 struct PodPss {
     pss: u64,
     split: Option<GuestRamSplit>,
+    /// The VMM ran in a process of its own: `split`'s own part is the VMM's, the shim apart.
+    vmm_in_own_process: bool,
     /// The accelerator of the pod's QEMU (QEMU backend).
     accel: Option<String>,
 }
@@ -143,17 +147,18 @@ fn measure_pod(
     guest_bytes: Option<u64>,
 ) -> Result<PodPss> {
     let processes = pod_processes(ctrd, pod_id);
-    let Some(shim) = processes.first() else {
+    let Some(holder) = guest_ram_holder(&processes) else {
         bail!("pod {pod_id} has no shim process");
     };
     let pss = processes.iter().map(|p| pss_bytes(p.pid)).sum();
     let split = match guest_bytes {
-        Some(bytes) => Some(guest_ram_split_of(shim.pid, bytes)?),
+        Some(bytes) => Some(guest_ram_split_of(holder.pid, bytes)?),
         None => None,
     };
     Ok(PodPss {
         pss,
         split,
+        vmm_in_own_process: holder.is_vmm_process(),
         accel: vm_accel(&processes),
     })
 }
@@ -396,16 +401,24 @@ pub(super) async fn density_bench() -> Result<()> {
         fell(&ours),
         fell(&runc)
     );
-    if let Some(s) = ours.median().split {
+    let median = ours.median();
+    if let Some(s) = median.split {
+        let own = if median.vmm_in_own_process {
+            format!(
+                "the shim {:.1} MiB, the VMM process's own {:.1} MiB",
+                mib(median.pss.saturating_sub(s.process_pss)),
+                mib(s.own_pss())
+            )
+        } else {
+            format!("the shim's own (VMM in it) {:.1} MiB", mib(s.own_pss()))
+        };
         println!(
             "# ours median pod: guest RAM {:.1} MiB PSS (RSS {:.1}), of it mapped from the boot \
-             files {:.1} MiB PSS (RSS {:.1}, shared by the pods until written); the shim's own \
-             {:.1} MiB",
+             files {:.1} MiB PSS (RSS {:.1}, shared by the pods until written); {own}",
             mib(s.guest_pss),
             mib(s.guest_rss),
             mib(s.file_pss),
             mib(s.file_rss),
-            mib(s.own_pss())
         );
     }
     print_page_sharing_lines(&setup);
