@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== fuzz package: fmt"
-# (Clippy on the fuzz package needs an uninstrumented build of all of it, as long again as the
-# fuzz build: run by hand, docs/fuzzing.md.)
+# (Clippy on the fuzz package checks it without the fuzzing instrumentation, so it cannot share
+# this build: scripts/run-tests.sh runs it after this script, beside the lane.)
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 
 echo "== fuzz smoke"

@@ -67,7 +67,8 @@ done
 # failed when it crashed, hung or ran out of memory; a smoke run that ended before its closing
 # line (the build failed) counts one failure (docs/fuzzing.md). cargo deny checks licenses, bans
 # and sources (deny.toml; no advisory database is reachable offline: docs/security.md) and
-# counts as one test.
+# counts as one test; so does clippy on the fuzz package (its own workspace, which the lint
+# section above does not reach).
 side_log=$(mktemp)
 (
   echo "== fuzz smoke (at $(elapsed))"
@@ -79,6 +80,13 @@ side_log=$(mktemp)
   else
     echo "cargo deny: FAILED"
   fi
+  echo "== fuzz package: clippy (at $(elapsed))"
+  if nice -n 19 cargo clippy --manifest-path fuzz/Cargo.toml --release --all-targets -- -D warnings; then
+    echo "fuzz clippy: ok"
+  else
+    echo "fuzz clippy: FAILED"
+  fi
+  echo "== beside the lane: done (at $(elapsed))"
 ) >"$side_log" 2>&1 &
 side_pid=$!
 trap 'kill $side_pid 2>/dev/null; rm -f "$results" "$embedded" "$side_log"' EXIT
@@ -180,6 +188,7 @@ if [ -z "$fuzz_line" ]; then
   fuzz_targets=1 fuzz_crashed=1
 fi
 if grep -qx 'cargo deny: ok' "$side_log"; then deny=ok; else deny=FAILED; fi
+if grep -qx 'fuzz clippy: ok' "$side_log"; then fuzz_clippy=ok; else fuzz_clippy=FAILED; fi
 
 echo "== leftovers (at $(elapsed))"
 # report_left WHAT NONE LIST: LIST (one item a line) is what the tests left of WHAT; empty: NONE.
@@ -237,9 +246,11 @@ if [ $ran_embedded -eq 1 ]; then
 fi
 passed=$(( passed + fuzz_targets - fuzz_crashed ))
 failed=$(( failed + fuzz_crashed ))
-if [ "$deny" = ok ]; then passed=$(( passed + 1 )); else failed=$(( failed + 1 )); fi
+for side in "$deny" "$fuzz_clippy"; do
+  if [ "$side" = ok ]; then passed=$(( passed + 1 )); else failed=$(( failed + 1 )); fi
+done
 [ $failed -eq 0 ] || status_all=1
 if [ -n "$lane_summary" ]; then echo "$lane_summary"; fi
 echo "time: $(elapsed)"
-echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped (with ${fuzz_targets} fuzz targets, ${fuzz_crashed} crashed; cargo deny ${deny})"
+echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped (with ${fuzz_targets} fuzz targets, ${fuzz_crashed} crashed; cargo deny ${deny}; fuzz clippy ${fuzz_clippy})"
 exit $status_all

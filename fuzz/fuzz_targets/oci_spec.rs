@@ -39,7 +39,7 @@ fn walk_spec(config: &Config, mut value: Value, cid: &str, sandbox_pid: u32) {
     let _ = spec::pod_sysctls(&value);
     if let Ok(devices) = oci::spec_devices(&value) {
         for d in &devices {
-            let _ = oci::classify(d, cid.len() % 2 == 0);
+            let _ = oci::classify(d, cid.len().is_multiple_of(2));
         }
         oci::remove_devices(&mut value, &devices[..devices.len() / 2]);
     }

@@ -233,7 +233,7 @@ impl Harness {
                     let _ = s.write_all(t.blob());
                 } else {
                     let port = Self::port(t);
-                    let _ = write!(s, "CONNECT {port}\n");
+                    let _ = writeln!(s, "CONNECT {port}");
                 }
                 self.peers.push(s);
             }
