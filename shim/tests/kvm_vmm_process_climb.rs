@@ -30,7 +30,9 @@ use std::time::{Duration, Instant};
 
 use shim::resources::storage::{PodShare, RootfsMount};
 use shim::state::StateDir;
-use vmm::jail::split::{SharedFsDescription, VmDescription, VmmProcess, VsockDescription};
+use vmm::jail::split::{
+    HostFiles, SharedFsDescription, VmDescription, VmmProcess, VsockDescription,
+};
 use vmm::jail::{Needs, Role, ThreadFilter};
 
 /// The marker file the attacker wants (an absolute host path), given to the VMM process.
@@ -184,11 +186,17 @@ fn guest(name: &str) -> PathBuf {
     p
 }
 
-fn description(work: &Path, share: &Path) -> VmDescription {
+/// The idle guest's kernel and /dev/kvm, opened as the shim opens them.
+fn idle_files() -> HostFiles {
+    HostFiles::open(&guest("idle"), None).unwrap()
+}
+
+fn description(work: &Path, share: &Path, files: &HostFiles) -> VmDescription {
     VmDescription {
         vcpus: 1,
         memory_mib: 64,
-        kernel: guest("idle"),
+        kernel: files.kernel(),
+        kvm_fd: files.kvm_fd(),
         console_log: work.join("console.log"),
         console_log_bytes: 1 << 20,
         work_dir: work.to_path_buf(),
@@ -273,7 +281,8 @@ fn a_hijacked_file_server_cannot_climb_out_of_the_jail_and_the_share_propagates(
             != std::fs::read_link("/proc/self/ns/mnt").ok()
     });
 
-    let desc = description(work.path(), share.path());
+    let files = idle_files();
+    let desc = description(work.path(), share.path(), &files);
     let exe = std::env::current_exe().unwrap();
     let mut vmm = VmmProcess::spawn(&exe, &desc, None, Duration::from_secs(30)).unwrap();
     let pid = vmm.pid().to_string();
@@ -358,9 +367,10 @@ fn each_thread_role_that_makes_a_forbidden_call_ends_its_vmm_process_with_the_re
         let work = tempfile::tempdir().unwrap();
         let log_path = work.path().join("stderr.log");
         let log = std::fs::File::create(&log_path).unwrap();
+        let files = idle_files();
         let desc = VmDescription {
             shared_fs: None,
-            ..description(work.path(), share.path())
+            ..description(work.path(), share.path(), &files)
         };
         // SAFETY: the harness is ours and runs one test at a time, single-threaded here; the
         // VMM process inherits the environment.
