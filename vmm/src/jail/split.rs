@@ -867,6 +867,9 @@ fn run(
         limits.file_size = None;
     }
     let share_dir = desc.shared_fs.as_ref().map(|s| s.host_dir.clone());
+    // The process's own procfs: the file server's `/proc/self/fd`, and page sharing's
+    // `/proc/self/maps` and `/proc/self/pagemap`.
+    let with_proc = serves_fs || desc.page_sharing.is_some();
     let jail = || -> Result<(), VmmError> {
         enter_namespaces()?;
         // The share is cloned from this namespace's copy of it, a slave of the host's mount
@@ -876,7 +879,7 @@ fn run(
             trees.push((dir.clone(), detached_tree(dir)?));
         }
         let mounts: Vec<(&Path, &OwnedFd)> = trees.iter().map(|(p, t)| (p.as_path(), t)).collect();
-        pivot_to_root_holding(&mount_point, &mounts, serves_fs)?;
+        pivot_to_root_holding(&mount_point, &mounts, with_proc)?;
         set_limits(&limits)?;
         keep_capabilities(if serves_fs {
             &FS_SERVER_CAPABILITIES
