@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use vmm::jail::channel::EndKind;
-use vmm::jail::split::{BlockDescription, VmDescription, VmmProcess, VsockDescription};
+use vmm::jail::split::{
+    BlockDescription, FileDescription, HostFiles, VmDescription, VmmProcess, VsockDescription,
+};
 
 fn guest(name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -61,11 +63,17 @@ fn wait_for_console(log: &Path, needle: &str) {
     }
 }
 
-fn description(work: &Path, disk: Option<&std::fs::File>) -> VmDescription {
+/// Test guest `name`'s kernel and /dev/kvm, opened as the shim opens them.
+fn files(name: &str) -> HostFiles {
+    HostFiles::open(&guest(name), None).unwrap()
+}
+
+fn description(work: &Path, files: &HostFiles, disk: Option<&std::fs::File>) -> VmDescription {
     VmDescription {
         vcpus: 2,
         memory_mib: 64,
-        kernel: guest("idle"),
+        kernel: files.kernel(),
+        kvm_fd: files.kvm_fd(),
         console_log: work.join("console.log"),
         console_log_bytes: 1 << 20,
         work_dir: work.to_path_buf(),
@@ -94,7 +102,8 @@ fn the_vmm_process_is_jailed_every_thread_filtered_and_driven_over_the_channel()
     let work = tempfile::tempdir().unwrap();
     let mut disk = tempfile::tempfile().unwrap();
     disk.write_all(&[7u8; 1 << 20]).unwrap();
-    let desc = description(work.path(), Some(&disk));
+    let files = files("idle");
+    let desc = description(work.path(), &files, Some(&disk));
     let started = Instant::now();
     let mut vmm = VmmProcess::spawn(exe(), &desc, None, Duration::from_secs(30)).unwrap();
     eprintln!(
@@ -159,9 +168,9 @@ fn the_vmm_process_is_jailed_every_thread_filtered_and_driven_over_the_channel()
     for host in ["etc", "proc", "dev", "sys", "usr"] {
         assert!(!root.join(host).exists(), "/{host} is reachable");
     }
-    // Its descriptors: standard I/O, the channel, the disk, and what the VM opened itself
-    // (/dev/kvm's VM and vCPUs, eventfds, epoll, the console log, the vsock socket): no
-    // descriptor of the test's.
+    // Its descriptors: standard I/O, the channel, the disk, /dev/kvm (the test's, as the
+    // shim's: kvm_vmm_process_files), and what the VM opened itself (KVM's VM and vCPUs,
+    // eventfds, epoll, the console log, the vsock socket): no other descriptor of the test's.
     for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
         let target = std::fs::read_link(fd.unwrap().path()).unwrap();
         let t = target.display().to_string();
@@ -195,7 +204,8 @@ fn the_vmm_process_is_jailed_every_thread_filtered_and_driven_over_the_channel()
 #[test]
 fn kill_9_of_the_vmm_process_is_its_end_with_the_signal() {
     let work = tempfile::tempdir().unwrap();
-    let desc = description(work.path(), None);
+    let files = files("idle");
+    let desc = description(work.path(), &files, None);
     let mut vmm = VmmProcess::spawn(exe(), &desc, None, Duration::from_secs(30)).unwrap();
     wait_for_console(&desc.console_log, "halting forever");
     let pid = vmm.pid();
@@ -218,20 +228,61 @@ fn kill_9_of_the_vmm_process_is_its_end_with_the_signal() {
 #[test]
 fn a_bad_description_fails_the_start_with_the_reason() {
     let work = tempfile::tempdir().unwrap();
-    let mut desc = description(work.path(), None);
-    desc.kernel = work.path().join("no-such-kernel");
+    // The shim opens the kernel: a missing one fails there, naming it, before any process.
+    let missing = work.path().join("no-such-kernel");
+    let err = HostFiles::open(&missing, None).unwrap_err().to_string();
+    assert!(
+        err.contains("no-such-kernel") && err.contains("No such file"),
+        "{err}"
+    );
+    let files = files("idle");
+    // A descriptor the embedder does not hold is refused before the process starts.
+    let mut desc = description(work.path(), &files, None);
+    desc.kernel.fd = 1000;
     let err = VmmProcess::spawn(exe(), &desc, None, Duration::from_secs(30))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("no-such-kernel"), "{err}");
+    assert!(err.contains("descriptor 1000 is not open here"), "{err}");
+    // What the VMM process checks of what it was given: a kernel that is a directory, KVM's
+    // descriptor that is not /dev/kvm, the same descriptor named twice.
+    let dir = std::fs::File::open(work.path()).unwrap();
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let mut desc = description(work.path(), &files, None);
+    desc.kernel = FileDescription {
+        fd: dir.as_raw_fd(),
+        name: "the-work-folder".into(),
+    };
+    let mut not_kvm = description(work.path(), &files, None);
+    not_kvm.kvm_fd = null.as_raw_fd();
+    let mut twice = description(work.path(), &files, None);
+    twice.initrd = Some(twice.kernel.clone());
+    for (desc, want) in [
+        (
+            desc,
+            "kernel the-work-folder: not a regular file".to_string(),
+        ),
+        (not_kvm, "the KVM descriptor is not /dev/kvm".to_string()),
+        (
+            twice,
+            format!(
+                "descriptor {} is not one the VMM process was given",
+                files.kernel().fd
+            ),
+        ),
+    ] {
+        let err = VmmProcess::spawn(exe(), &desc, None, Duration::from_secs(30))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&want), "{err}");
+    }
 }
 
 #[test]
 fn a_guest_that_resets_ends_its_vmm_process_with_the_reset_and_a_triple_fault_with_the_error() {
     for (name, want) in [("hello", EndKind::Reset), ("triple-fault", EndKind::Error)] {
         let work = tempfile::tempdir().unwrap();
-        let mut desc = description(work.path(), None);
-        desc.kernel = guest(name);
+        let files = files(name);
+        let desc = description(work.path(), &files, None);
         let mut vmm = VmmProcess::spawn(exe(), &desc, None, Duration::from_secs(30)).unwrap();
         let end = vmm
             .wait_timeout(Duration::from_secs(30))
@@ -268,36 +319,39 @@ fn what_the_split_costs() {
     let mut rss = Vec::new();
     for _ in 0..N {
         let work = tempfile::tempdir().unwrap();
-        let desc = description(work.path(), None);
-        let mut cfg = vmm::VmConfig::new(&desc.kernel);
-        cfg.vcpus = desc.vcpus;
-        cfg.memory_mib = desc.memory_mib;
+        let mut cfg = vmm::VmConfig::new(guest("idle"));
+        cfg.vcpus = 2;
+        cfg.memory_mib = 64;
+        let console_log = work.path().join("console.log");
         cfg.serial = vmm::SerialSink::File {
-            path: desc.console_log.clone(),
-            max_bytes: desc.console_log_bytes,
+            path: console_log.clone(),
+            max_bytes: 1 << 20,
         };
         cfg.vsock = Some(vmm::VsockConfig {
             guest_cid: 3,
             uds_path: work.path().join("vsock.sock"),
         });
-        for b in &desc.blocks {
+        for serial in ["cold", "empty"] {
             cfg.blocks.push(vmm::BlockConfig {
-                serial: b.serial.clone(),
+                serial: serial.into(),
                 backing: vmm::BlockBacking::Empty { read_only: false },
             });
         }
         let t = Instant::now();
         let h = vmm::Vm::start(cfg).unwrap();
         in_process += t.elapsed();
-        wait_for_console(&desc.console_log, "halting forever");
+        wait_for_console(&console_log, "halting forever");
         h.stop();
         h.wait().unwrap();
 
         let work = tempfile::tempdir().unwrap();
-        let desc = description(work.path(), None);
+        // The split's start includes what the shim opens for it.
         let t = Instant::now();
+        let files = files("idle");
+        let desc = description(work.path(), &files, None);
         let mut p = VmmProcess::spawn(exe(), &desc, None, Duration::from_secs(30)).unwrap();
         split += t.elapsed();
+        drop(files);
         wait_for_console(&desc.console_log, "halting forever");
         let pid = p.pid().to_string();
         pss.push(rollup(&pid, "Pss:"));
@@ -320,7 +374,8 @@ fn what_the_split_costs() {
 fn with_a_share_the_vmm_process_keeps_the_file_servers_five_capabilities_and_a_proc_of_its_own() {
     let work = tempfile::tempdir().unwrap();
     let share = tempfile::tempdir().unwrap();
-    let mut desc = description(work.path(), None);
+    let files = files("idle");
+    let mut desc = description(work.path(), &files, None);
     desc.shared_fs = Some(vmm::jail::split::SharedFsDescription {
         tag: "share".into(),
         host_dir: share.path().to_path_buf(),

@@ -326,7 +326,7 @@ fn boot_fill_and_free(
     let console = Console::default();
     let mut cfg = vmm::VmConfig::new(kernel);
     cfg.memory_mib = memory_mib;
-    cfg.initrd = Some(initrd.path().to_path_buf());
+    cfg.initrd = Some(initrd.path().into());
     cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
     cfg.serial = vmm::SerialSink::Writer(Box::new(console.clone()));
     cfg.balloon = balloon;
@@ -490,7 +490,7 @@ fn linux_guest_shares_public_pages_and_still_works() {
     let console = Console::default();
     let mut cfg = vmm::VmConfig::new(kernel);
     cfg.memory_mib = 256;
-    cfg.initrd = Some(initrd.path().to_path_buf());
+    cfg.initrd = Some(initrd.path().into());
     cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
     cfg.serial = vmm::SerialSink::Writer(Box::new(console.clone()));
     cfg.shared_fs = Some(vmm::SharedFsConfig {
@@ -590,7 +590,7 @@ fn linux_guest_without_page_sharing_refuses_the_pass() {
     let initrd = busybox_initrd("#!/bin/busybox sh\nexec /bin/busybox sleep 100000\n");
     let mut cfg = vmm::VmConfig::new(kernel);
     cfg.memory_mib = 128;
-    cfg.initrd = Some(initrd.path().to_path_buf());
+    cfg.initrd = Some(initrd.path().into());
     cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
     cfg.serial = vmm::SerialSink::Null;
     let handle = vmm::Vm::start(cfg).expect("the VM starts");
@@ -642,7 +642,7 @@ fn linux_guest_uses_the_tsc_deadline_timer() {
     let mut cfg = vmm::VmConfig::new(kernel);
     cfg.vcpus = 2;
     cfg.memory_mib = 256;
-    cfg.initrd = Some(initrd.path().to_path_buf());
+    cfg.initrd = Some(initrd.path().into());
     cfg.cmdline = "console=ttyS0 reboot=k panic=-1".into();
     cfg.serial = vmm::SerialSink::Writer(Box::new(console.clone()));
     let started = std::time::Instant::now();

@@ -87,7 +87,7 @@ fn guest_sees_the_passed_through_pci_device() {
 
     let console = Console::default();
     let mut cfg = vmm::VmConfig::new(kernel);
-    cfg.initrd = Some(initrd);
+    cfg.initrd = Some(initrd.into());
     cfg.vcpus = 1;
     cfg.memory_mib = 256;
     // No `quiet`: the PCI core's enumeration lines are KERN_INFO. `apic=verbose` prints the MP

@@ -2,7 +2,7 @@
 //! for the entry protocol (Linux zero page with E820, or PVH hvm_start_info with a memory map).
 
 use std::fs::File;
-use std::path::Path;
+use std::io::{Seek, SeekFrom};
 
 use linux_loader::cmdline::Cmdline;
 use linux_loader::loader::bootparam::boot_params;
@@ -76,20 +76,20 @@ pub struct InitrdPlacement {
     pub size: u64,
 }
 
-/// Loads the ELF kernel at `path` into `mem`: with [`BootFiles::Map`] its segments' whole pages
-/// are mapped from the file ([`crate::boot_files`]); a file whose headers that path does not
-/// take, and [`BootFiles::Copy`], go through linux-loader's ELF loader (a copy).
+/// Loads the ELF kernel in `file` (the embedder's, or opened from its path: never opened here)
+/// into `mem`: with [`BootFiles::Map`] its segments' whole pages are mapped from the file
+/// ([`crate::boot_files`]); a file whose headers that path does not take, and
+/// [`BootFiles::Copy`], go through linux-loader's ELF loader (a copy). Every read says where
+/// it reads: the file's offset does not count.
 pub fn load_kernel(
     mem: &GuestMemory,
-    path: &Path,
+    file: &mut File,
     files: BootFiles,
 ) -> Result<LoadedKernel, BootError> {
-    let mut file = File::open(path).map_err(BootError::Open)?;
     if files == BootFiles::Map {
-        match boot_files::read_elf(&mut file) {
+        match boot_files::read_elf(file) {
             Ok(k) => {
-                let stats =
-                    boot_files::load_elf_mapped(mem, &mut file, &k).map_err(BootError::Place)?;
+                let stats = boot_files::load_elf_mapped(mem, file, &k).map_err(BootError::Place)?;
                 return Ok(LoadedKernel {
                     entry: k.entry,
                     end: k.end,
@@ -98,13 +98,12 @@ pub fn load_kernel(
                 });
             }
             Err(e) => log::debug!(
-                "kernel {}: not mapped from the file ({e}); copying it with the ELF loader",
-                path.display()
+                "the kernel is not mapped from its file ({e}); copying it with the ELF loader"
             ),
         }
     }
-    let r = Elf::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START)))
-        .map_err(BootError::Load)?;
+    // linux-loader's loader rewinds the file itself.
+    let r = Elf::load(mem, None, file, Some(GuestAddress(HIMEM_START))).map_err(BootError::Load)?;
     let pvh_entry = match r.pvh_boot_cap {
         PvhBootCapability::PvhEntryPresent(a) => Some(a.0),
         _ => None,
@@ -141,17 +140,17 @@ pub fn initrd_address(mem_size: u64, kernel_end: u64, size: u64) -> Result<u64, 
     Ok(addr)
 }
 
-/// Loads the initrd at `path` high in guest memory: mapped from the file where
-/// [`BootFiles::Map`] (its page-aligned start makes every whole page mappable; the partial last
-/// page is copied), else copied. Returns where it went and, when mapped, how.
+/// Loads the initrd in `file` (the embedder's, or opened from its path: never opened here) high
+/// in guest memory, all of it from its start: mapped from the file where [`BootFiles::Map`]
+/// (its page-aligned start makes every whole page mappable; the partial last page is copied),
+/// else copied. Returns where it went and, when mapped, how.
 pub fn load_initrd(
     mem: &GuestMemory,
     mem_size: u64,
     kernel_end: u64,
-    path: &Path,
+    file: &mut File,
     files: BootFiles,
 ) -> Result<(InitrdPlacement, Option<LoadStats>), BootError> {
-    let mut file = File::open(path).map_err(BootError::Open)?;
     let size = file
         .metadata()
         .map_err(|e| BootError::InitrdRead(e.to_string()))?
@@ -160,12 +159,13 @@ pub fn load_initrd(
     let placement = InitrdPlacement { addr, size };
     if files == BootFiles::Map {
         let mut stats = LoadStats::default();
-        boot_files::place_range(mem, &mut file, 0, addr, size, &mut stats)
-            .map_err(BootError::Place)?;
+        boot_files::place_range(mem, file, 0, addr, size, &mut stats).map_err(BootError::Place)?;
         return Ok((placement, Some(stats)));
     }
     let len = usize::try_from(size).map_err(|e| BootError::InitrdRead(e.to_string()))?;
-    mem.read_exact_volatile_from(GuestAddress(addr), &mut file, len)
+    file.seek(SeekFrom::Start(0))
+        .map_err(|e| BootError::InitrdRead(e.to_string()))?;
+    mem.read_exact_volatile_from(GuestAddress(addr), file, len)
         .map_err(|e| BootError::InitrdRead(e.to_string()))?;
     Ok((placement, None))
 }

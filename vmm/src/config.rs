@@ -3,6 +3,8 @@
 use std::fmt;
 use std::fs::File;
 use std::io::{self, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::layout::{MAX_MEMORY_MIB, MAX_VCPUS};
@@ -131,6 +133,92 @@ pub enum BootFiles {
     Copy,
 }
 
+/// A boot file (the kernel, the initrd): a path the VMM opens when the VM starts, or a file the
+/// embedder opened, which the VMM reads and maps without opening any path. A VMM process gets
+/// its boot files so ([`crate::jail::split`]): it boots the file the embedder opened, whatever
+/// is at the path by then.
+#[derive(Debug)]
+pub enum BootFile {
+    /// A path, opened read-only by [`crate::Vm::start`] (once: everything that reads the file
+    /// later, page sharing among them, reads that open file).
+    Path(PathBuf),
+    /// A regular file open for reading. `name` (the path it was opened from) only names it in
+    /// messages: the VMM never opens it.
+    Open { file: File, name: PathBuf },
+}
+
+impl BootFile {
+    /// Opens the regular file at `path` read-only (close-on-exec, and non-blocking, so that a
+    /// FIFO put at the path cannot hang the opener: it is refused as not a regular file); the
+    /// reason if it cannot.
+    pub fn open_path(path: &Path) -> Result<BootFile, String> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .map_err(|e| e.to_string())?;
+        check_open_file(&file)?;
+        Ok(BootFile::Open {
+            file,
+            name: path.to_path_buf(),
+        })
+    }
+
+    /// What names the file in messages: its path, or the path the open file came from.
+    pub fn name(&self) -> &Path {
+        match self {
+            Self::Path(p) | Self::Open { name: p, .. } => p,
+        }
+    }
+
+    /// The file to read: the path opened read-only, or a new descriptor of the open file (the
+    /// same open file: it shares its offset, so each reader seeks before it reads).
+    pub(crate) fn open(&self) -> io::Result<File> {
+        match self {
+            Self::Path(p) => File::open(p),
+            Self::Open { file, .. } => file.try_clone(),
+        }
+    }
+
+    /// Whether the file can be read as a boot file; the reason if not.
+    fn check(&self) -> Result<(), String> {
+        match self {
+            Self::Path(p) => check_readable(p),
+            Self::Open { file, .. } => check_open_file(file),
+        }
+    }
+}
+
+impl From<PathBuf> for BootFile {
+    fn from(p: PathBuf) -> Self {
+        Self::Path(p)
+    }
+}
+
+impl From<&PathBuf> for BootFile {
+    fn from(p: &PathBuf) -> Self {
+        Self::Path(p.clone())
+    }
+}
+
+impl From<&Path> for BootFile {
+    fn from(p: &Path) -> Self {
+        Self::Path(p.to_path_buf())
+    }
+}
+
+impl From<&str> for BootFile {
+    fn from(p: &str) -> Self {
+        Self::Path(p.into())
+    }
+}
+
+impl From<String> for BootFile {
+    fn from(p: String) -> Self {
+        Self::Path(p.into())
+    }
+}
+
 /// A virtio-blk disk, in the order the guest sees them (vda, vdb, ...).
 #[derive(Debug)]
 pub struct BlockConfig {
@@ -168,8 +256,10 @@ pub struct VmConfig {
     pub vcpus: u8,
     pub memory_mib: u64,
     /// An uncompressed ELF kernel (vmlinux, or one of our test guests).
-    pub kernel: PathBuf,
-    pub initrd: Option<PathBuf>,
+    pub kernel: BootFile,
+    pub initrd: Option<BootFile>,
+    /// `/dev/kvm`, opened by the embedder (read-write); `None`: the VMM opens `/dev/kvm`.
+    pub kvm: Option<OwnedFd>,
     /// The user's part of the kernel command line; the VMM appends its device arguments.
     pub cmdline: String,
     pub serial: SerialSink,
@@ -202,12 +292,13 @@ pub struct VmConfig {
 
 impl VmConfig {
     /// A config with 1 vCPU, 128 MiB, no initrd, console on stdout.
-    pub fn new(kernel: impl Into<PathBuf>) -> Self {
+    pub fn new(kernel: impl Into<BootFile>) -> Self {
         Self {
             vcpus: 1,
             memory_mib: 128,
             kernel: kernel.into(),
             initrd: None,
+            kvm: None,
             cmdline: String::new(),
             serial: SerialSink::Stdout,
             vsock: None,
@@ -259,15 +350,18 @@ impl VmConfig {
                 )));
             }
         }
-        check_readable(&self.kernel).map_err(|reason| VmmError::Kernel {
-            path: self.kernel.clone(),
+        self.kernel.check().map_err(|reason| VmmError::Kernel {
+            path: self.kernel.name().to_path_buf(),
             reason,
         })?;
         if let Some(initrd) = &self.initrd {
-            check_readable(initrd).map_err(|reason| VmmError::Initrd {
-                path: initrd.clone(),
+            initrd.check().map_err(|reason| VmmError::Initrd {
+                path: initrd.name().to_path_buf(),
                 reason,
             })?;
+        }
+        if let Some(kvm) = &self.kvm {
+            crate::kvm_vm::check_kvm_device(kvm.as_fd())?;
         }
         if let Some(v) = &self.vsock {
             if v.guest_cid < 3 {
@@ -343,6 +437,19 @@ fn check_readable(path: &Path) -> Result<(), String> {
         return Err("not a regular file".into());
     }
     File::open(path).map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// Whether `file` is a regular file open for reading; the reason if not.
+fn check_open_file(file: &File) -> Result<(), String> {
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    let mode = rustix::fs::fcntl_getfl(file).map_err(|e| e.to_string())?;
+    if mode & rustix::fs::OFlags::ACCMODE == rustix::fs::OFlags::WRONLY {
+        return Err("not open for reading".into());
+    }
+    Ok(())
 }
 
 /// Total RAM of the host in MiB (from sysinfo), if known.
@@ -439,12 +546,63 @@ mod tests {
             e.contains("/nonexistent/vmlinux") && e.contains("No such file"),
             "{e}"
         );
-        c.kernel = std::env::temp_dir();
+        c.kernel = std::env::temp_dir().into();
         assert!(c
             .validate()
             .unwrap_err()
             .to_string()
             .contains("not a regular file"));
+    }
+
+    #[test]
+    fn an_open_boot_file_is_checked_as_a_file_and_named_by_its_path() {
+        let k = tempfile_lite::TempFile::new("open-kernel", b"\x7fELF");
+        let opened = BootFile::open_path(k.path()).unwrap();
+        assert_eq!(opened.name(), k.path());
+        let mut c = VmConfig::new(opened);
+        c.validate().unwrap();
+        // The open file is what counts: the path may be gone.
+        std::fs::remove_file(k.path()).unwrap();
+        c.validate().unwrap();
+        let e = BootFile::open_path(k.path()).unwrap_err();
+        assert!(e.contains("No such file"), "{e}");
+        // A directory, or a file open for writing only, is no boot file.
+        let dir = std::env::temp_dir();
+        assert_eq!(BootFile::open_path(&dir).unwrap_err(), "not a regular file");
+        c.kernel = BootFile::Open {
+            file: File::open(&dir).unwrap(),
+            name: "the-dir".into(),
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "kernel the-dir: not a regular file");
+        let w = tempfile_lite::TempFile::new("write-only", b"");
+        c.kernel = w.path().into();
+        c.initrd = Some(BootFile::Open {
+            file: std::fs::OpenOptions::new()
+                .write(true)
+                .open(w.path())
+                .unwrap(),
+            name: "initrd.img".into(),
+        });
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "initrd initrd.img: not open for reading");
+    }
+
+    #[test]
+    fn a_fifo_at_a_boot_files_path_is_refused_without_blocking() {
+        let dir = std::env::temp_dir().join(format!("vmm-config-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_file(&dir);
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &dir,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let e = BootFile::open_path(&dir).unwrap_err();
+        std::fs::remove_file(&dir).unwrap();
+        assert_eq!(e, "not a regular file");
     }
 
     #[test]
@@ -517,7 +675,7 @@ mod tests {
         }
         c.shared_fs = Some(SharedFsConfig {
             tag: "shared".into(),
-            host_dir: c.kernel.clone(),
+            host_dir: k.path().to_path_buf(),
         });
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("is not a directory"), "{e}");

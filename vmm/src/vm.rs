@@ -58,12 +58,19 @@ impl Vm {
         let mem_size = cfg.memory_mib << 20;
         let mem = create_guest_memory(mem_size).map_err(|e| VmmError::Memory(e.to_string()))?;
         // The boot files go in before KVM or any device sees guest memory: mapped from their
-        // files, they replace pages of the RAM mapping (boot_files).
+        // files, they replace pages of the RAM mapping (boot_files). Each is opened once (or is
+        // the embedder's open file): page sharing reads the same files later.
+        let kernel_name = cfg.kernel.name().to_path_buf();
         let kernel_err = |e: BootError| VmmError::Kernel {
-            path: cfg.kernel.clone(),
+            path: kernel_name.clone(),
             reason: e.to_string(),
         };
-        let kernel = boot::load_kernel(&mem, &cfg.kernel, cfg.boot_files).map_err(kernel_err)?;
+        let mut kernel_file = cfg
+            .kernel
+            .open()
+            .map_err(|e| kernel_err(BootError::Open(e)))?;
+        let kernel =
+            boot::load_kernel(&mem, &mut kernel_file, cfg.boot_files).map_err(kernel_err)?;
         let (mode, entry) = match (cfg.boot_protocol, kernel.pvh_entry) {
             (BootProtocol::Pvh, Some(e)) | (BootProtocol::Auto, Some(e)) => (EntryMode::Pvh32, e),
             (BootProtocol::Pvh, None) => return Err(kernel_err(BootError::NoPvhEntry)),
@@ -72,27 +79,31 @@ impl Vm {
             }
         };
         match &kernel.mapped {
-            Some(stats) => log::debug!("kernel {}: {stats}", cfg.kernel.display()),
-            None => log::debug!("kernel {}: copied by the ELF loader", cfg.kernel.display()),
+            Some(stats) => log::debug!("kernel {}: {stats}", kernel_name.display()),
+            None => log::debug!("kernel {}: copied by the ELF loader", kernel_name.display()),
         }
-        let initrd = match &cfg.initrd {
-            Some(path) => {
+        let (initrd, initrd_file) = match &cfg.initrd {
+            Some(boot_file) => {
+                let name = boot_file.name();
+                let initrd_err = |e: BootError| VmmError::Initrd {
+                    path: name.to_path_buf(),
+                    reason: e.to_string(),
+                };
+                let mut file = boot_file
+                    .open()
+                    .map_err(|e| initrd_err(BootError::Open(e)))?;
                 let (placed, mapped) =
-                    boot::load_initrd(&mem, mem_size, kernel.end, path, cfg.boot_files).map_err(
-                        |e| VmmError::Initrd {
-                            path: path.clone(),
-                            reason: e.to_string(),
-                        },
-                    )?;
+                    boot::load_initrd(&mem, mem_size, kernel.end, &mut file, cfg.boot_files)
+                        .map_err(initrd_err)?;
                 match mapped {
-                    Some(stats) => log::debug!("initrd {}: {stats}", path.display()),
-                    None => log::debug!("initrd {}: copied", path.display()),
+                    Some(stats) => log::debug!("initrd {}: {stats}", name.display()),
+                    None => log::debug!("initrd {}: copied", name.display()),
                 }
-                Some(placed)
+                (Some(placed), Some(file))
             }
-            None => None,
+            None => (None, None),
         };
-        let vm = KvmVm::new()?;
+        let vm = KvmVm::new(cfg.kvm.take())?;
         if usize::from(cfg.vcpus) > vm.max_vcpus() {
             return Err(VmmError::Config(format!(
                 "{} vCPUs requested, this KVM allows at most {}",
@@ -257,8 +268,17 @@ impl Vm {
                 filter_cpuid(&mut first, 0, cfg.vcpus);
                 Some(sharing_state(
                     SharingInputs {
-                        kernel: &cfg.kernel,
-                        initrd: cfg.initrd.as_deref(),
+                        kernel: BootFileRef {
+                            file: &kernel_file,
+                            name: &kernel_name,
+                        },
+                        initrd: initrd_file
+                            .as_ref()
+                            .zip(cfg.initrd.as_ref())
+                            .map(|(file, b)| BootFileRef {
+                                file,
+                                name: b.name(),
+                            }),
                         vcpus: cfg.vcpus,
                         cmdline: &cmdline_text,
                     },
@@ -365,11 +385,18 @@ impl Vm {
     }
 }
 
-/// What page sharing keeps of the VM: the boot files (their inodes), the kernel's text range,
-/// and the facts that decide how the kernel patched its text.
+/// A boot file the VM booted from: its open file and what names it in messages.
+struct BootFileRef<'a> {
+    file: &'a std::fs::File,
+    name: &'a std::path::Path,
+}
+
+/// What page sharing keeps of the VM: the boot files (the open files the VM booted from, never
+/// opened again by their paths), the kernel's text range, and the facts that decide how the
+/// kernel patched its text.
 struct SharingInputs<'a> {
-    kernel: &'a std::path::Path,
-    initrd: Option<&'a std::path::Path>,
+    kernel: BootFileRef<'a>,
+    initrd: Option<BootFileRef<'a>>,
     vcpus: u8,
     cmdline: &'a str,
 }
@@ -379,15 +406,15 @@ fn sharing_state(
     config: PageSharingConfig,
     cpuid: &kvm_bindings::CpuId,
 ) -> Result<VmSharing, VmmError> {
-    let mut kernel = std::fs::File::open(cfg.kernel).map_err(|e| VmmError::Kernel {
-        path: cfg.kernel.to_path_buf(),
-        reason: e.to_string(),
+    let mut kernel = cfg.kernel.file.try_clone().map_err(|e| VmmError::Kernel {
+        path: cfg.kernel.name.to_path_buf(),
+        reason: format!("duplicate its descriptor: {e}"),
     })?;
     let text = page_sharing::kernel_text_range(&mut kernel);
     let initrd = match cfg.initrd {
-        Some(p) => Some(std::fs::File::open(p).map_err(|e| VmmError::Initrd {
-            path: p.to_path_buf(),
-            reason: e.to_string(),
+        Some(r) => Some(r.file.try_clone().map_err(|e| VmmError::Initrd {
+            path: r.name.to_path_buf(),
+            reason: format!("duplicate its descriptor: {e}"),
         })?),
         None => None,
     };

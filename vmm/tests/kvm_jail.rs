@@ -220,7 +220,7 @@ fn sharing_passes_with_an_initrd_run_under_the_page_sharing_filter() {
     let templates = dir.path().join("templates");
     for round in 0..2 {
         let (mut cfg, cap) = config("idle", 1, 64);
-        cfg.initrd = Some(initrd.clone());
+        cfg.initrd = Some((&initrd).into());
         cfg.page_sharing = Some(vmm::PageSharingConfig {
             template_dir: templates.clone(),
             // A test guest that saw no pod input: it may capture the kernel text.

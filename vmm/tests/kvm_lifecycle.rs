@@ -113,7 +113,7 @@ fn bad_input_gives_clear_errors() {
         .set_len(8 << 20)
         .unwrap();
     let (mut cfg, _) = config("hello", 1, 4);
-    cfg.initrd = Some(big.clone());
+    cfg.initrd = Some((&big).into());
     let e = Vm::start(cfg).err().unwrap();
     let _ = std::fs::remove_file(&big);
     assert!(e.to_string().contains("does not fit"), "{e}");
@@ -127,7 +127,7 @@ fn hello_with_an_initrd() {
     let initrd = std::env::temp_dir().join(format!("vmm-initrd-{}", std::process::id()));
     std::fs::write(&initrd, vec![0x5a; 100_000]).unwrap();
     let (mut cfg, cap) = config("hello", 1, 64);
-    cfg.initrd = Some(initrd.clone());
+    cfg.initrd = Some((&initrd).into());
     let r = run(cfg, &cap);
     let _ = std::fs::remove_file(&initrd);
     assert_eq!(r.unwrap(), VmExit::Reset);

@@ -351,7 +351,7 @@ fn boot_console(
         bail!("boot without --check runs the embedded VMM only; use --backend kvm");
     }
     let cfg = vmm::VmConfig {
-        initrd,
+        initrd: initrd.map(Into::into),
         vcpus,
         memory_mib,
         serial: vmm::SerialSink::Stdout,

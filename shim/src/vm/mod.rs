@@ -638,7 +638,7 @@ impl GuestVm {
         let mut cfg = vmm::VmConfig::new(&spec.kernel);
         cfg.vcpus = spec.vcpus;
         cfg.memory_mib = spec.memory_mib;
-        cfg.initrd = Some(spec.initrd.clone());
+        cfg.initrd = Some(spec.initrd.clone().into());
         cfg.boot_files = spec.boot_files;
         cfg.cmdline = format!("{KVM_GUEST_CMDLINE} {}", spec.cmdline_extra())
             .trim_end()

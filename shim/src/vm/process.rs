@@ -1,15 +1,17 @@
-//! The embedded VMM in a process of its own (`vmm_process = true` in the config; off by
+//! The embedded VMM in a process of its own (`vmm_process = true` in the config, the
 //! default): the shim's side of `vmm::jail::split` for a [`GuestSpec`], and the hidden
-//! subcommand's entry point. docs/security.md, "The VMM's confinement", says what the VMM
-//! process gets and what it may do.
+//! subcommand's entry point. The shim opens the kernel, the initrd and `/dev/kvm` and hands
+//! them to the process as descriptors, as it does its taps and disk files: the process never
+//! opens their paths. docs/security.md, "The VMM's confinement", says what the VMM process gets
+//! and what it may do.
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::Path;
 use std::time::Duration;
 
 use vmm::jail::split::{
-    BlockDescription, NetDescription, PageSharingDescription, SharedFsDescription, VmDescription,
-    VmmProcess, VsockDescription,
+    BlockDescription, HostFiles, NetDescription, PageSharingDescription, SharedFsDescription,
+    VmDescription, VmmProcess, VsockDescription,
 };
 
 use super::{DiskBacking, GuestSpec, GuestVmError, CONSOLE_LOG_BYTES, GUEST_CID};
@@ -31,11 +33,13 @@ pub fn vmm_main(channel_fd: String) -> i32 {
     vmm::jail::split::serve(&channel_fd)
 }
 
-/// The description of `spec`'s VM for a VMM process: paths the process opens before it jails
-/// itself, and the numbers of the descriptors the shim holds (taps, disk files), which the
-/// process inherits.
+/// The description of `spec`'s VM for a VMM process: the numbers of the descriptors the shim
+/// holds, which the process inherits (the kernel, the initrd and /dev/kvm in `files`, the
+/// taps, the disk files), and the paths in the VM's work folder (the console log, the vsock
+/// socket), the share and the VFIO devices' sysfs paths, which the process opens itself.
 pub fn describe(
     spec: &GuestSpec,
+    files: &HostFiles,
     cmdline: String,
     console_log: &Path,
     uds: &Path,
@@ -43,8 +47,9 @@ pub fn describe(
     VmDescription {
         vcpus: spec.vcpus,
         memory_mib: spec.memory_mib,
-        kernel: spec.kernel.clone(),
-        initrd: Some(spec.initrd.clone()),
+        kernel: files.kernel(),
+        initrd: files.initrd(),
+        kvm_fd: files.kvm_fd(),
         copy_boot_files: spec.boot_files == vmm::BootFiles::Copy,
         cmdline,
         console_log: console_log.to_path_buf(),
@@ -89,7 +94,8 @@ pub fn describe(
     }
 }
 
-/// Starts `spec`'s VM in a VMM process of its own, from this binary.
+/// Starts `spec`'s VM in a VMM process of its own, from this binary. The shim opens the kernel,
+/// the initrd and /dev/kvm here, and closes its copies once the process runs.
 pub fn start(
     spec: &GuestSpec,
     cmdline: String,
@@ -97,7 +103,10 @@ pub fn start(
     uds: &Path,
 ) -> Result<VmmProcess, GuestVmError> {
     let exe = std::env::current_exe().map_err(|e| GuestVmError::Process(e.to_string()))?;
-    let desc = describe(spec, cmdline, console_log, uds);
-    VmmProcess::spawn(&exe, &desc, Some(vmm::jail::report_fd()), START_TIMEOUT)
-        .map_err(|e| GuestVmError::Process(e.to_string()))
+    let files = HostFiles::open(&spec.kernel, Some(&spec.initrd))?;
+    let desc = describe(spec, &files, cmdline, console_log, uds);
+    let vmm = VmmProcess::spawn(&exe, &desc, Some(vmm::jail::report_fd()), START_TIMEOUT)
+        .map_err(|e| GuestVmError::Process(e.to_string()));
+    drop(files);
+    vmm
 }

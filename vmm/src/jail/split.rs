@@ -5,20 +5,31 @@
 //! The embedder's half is [`VmmProcess`]: it makes the channel, starts the process with
 //! `clone(CLONE_NEWPID | CLONE_PIDFD)` then `execve` (the VMM is PID 1 of a PID namespace of its
 //! own; the pidfd says when it died, without a race on the pid), hands it the VM's
-//! [`VmDescription`] in `Start` and the descriptors the description names (taps, disk files:
-//! inherited through `execve`, every other descriptor of the embedder is close-on-exec), and
-//! sends the requests of a running VM. The VMM process's half is [`serve`]: it takes the
-//! descriptors the description names and closes every other, opens the VM's host files (the
-//! kernel, the initrd, `/dev/kvm`, the console log, the vsock socket, VFIO devices) and builds
-//! its devices, then, still before any thread of the VM exists ([`crate::Vm::start_then`]): new
-//! mount, IPC, UTS and network namespaces, `pivot_root` into an empty read-only tmpfs that holds
-//! only the VM's work folder (vsock's guest-to-host sockets), the page templates' folder and its
-//! own slave copy of the shared directory, each at its own path, the limits, the capabilities
-//! the virtio-fs server needs (none without a shared directory), `no_new_privs`; the virtio-fs
-//! server is opened then, inside that root. Then the VM's threads start
-//! under their filters, a page sharing thread installs its filter, and the main thread installs
-//! the control filter and serves the channel until the VM ends; it then says how
-//! (`Ended`) and exits.
+//! [`VmDescription`] in `Start` and the descriptors the description names, and sends the
+//! requests of a running VM. The embedder opens every host resource that lies outside the VM's
+//! work folder and gives it as a descriptor: the kernel and the initrd (read-only) and
+//! `/dev/kvm` ([`HostFiles`]), the taps, the disk files. The VMM process's half is [`serve`]: it
+//! takes the descriptors the description names and closes every other, boots the kernel and
+//! initrd it was given (whatever is at their paths by then: it never opens them, nor
+//! `/dev/kvm`), opens what stays a path (the console log and the vsock socket in the work
+//! folder, VFIO devices by the sysfs paths the embedder names) and builds its devices, then,
+//! still before any thread of the VM exists ([`crate::Vm::start_then`]): new mount, IPC, UTS
+//! and network namespaces, `pivot_root` into an empty read-only tmpfs that holds only the VM's
+//! work folder (vsock's guest-to-host sockets), the page templates' folder and its own slave
+//! copy of the shared directory, each at its own path, the limits, the capabilities the
+//! virtio-fs server needs (none without a shared directory), `no_new_privs`; the virtio-fs
+//! server is opened then, inside that root. Then the VM's threads start under their filters, a
+//! page sharing thread installs its filter, and the main thread installs the control filter
+//! and serves the channel until the VM ends; it then says how (`Ended`) and exits.
+//!
+//! The descriptors of the start are inherited through `execve`, named by number in the
+//! description, rather than sent over the channel with `SCM_RIGHTS` (as a disk attached later
+//! is): every descriptor of the embedder stays close-on-exec in the embedder, and only the
+//! child, between `clone` and `execve`, clears the flag on its own copies of the named ones,
+//! so no other process the embedder starts meanwhile inherits them; they are in place before
+//! the VMM process reads its first message, and the description and its descriptors cannot
+//! part (one `Start`, whatever the count, within the channel's limit of descriptors per
+//! message or not).
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -36,8 +47,8 @@ use super::process::{
 };
 use super::{Needs, Role, ThreadFilter};
 use crate::config::{
-    BalloonConfig, BlockBacking, BlockConfig, BootFiles, NetConfig, SerialSink, SharedFsConfig,
-    VfioConfig, VmConfig, VsockConfig,
+    BalloonConfig, BlockBacking, BlockConfig, BootFile, BootFiles, NetConfig, SerialSink,
+    SharedFsConfig, VfioConfig, VmConfig, VsockConfig,
 };
 use crate::page_sharing::PageSharingConfig;
 use crate::{Vm, VmExit, VmHandle, VmmError};
@@ -59,8 +70,12 @@ const END_POLL: Duration = Duration::from_millis(100);
 pub struct VmDescription {
     pub vcpus: u8,
     pub memory_mib: u64,
-    pub kernel: PathBuf,
-    pub initrd: Option<PathBuf>,
+    /// The kernel, opened read-only by the embedder ([`HostFiles`]).
+    pub kernel: FileDescription,
+    /// The initrd, opened read-only by the embedder.
+    pub initrd: Option<FileDescription>,
+    /// `/dev/kvm`, opened read-write by the embedder.
+    pub kvm_fd: RawFd,
     /// Copy the boot files instead of mapping them ([`BootFiles::Copy`]).
     pub copy_boot_files: bool,
     pub cmdline: String,
@@ -79,6 +94,14 @@ pub struct VmDescription {
     /// A virtio-balloon, with free page reporting or not.
     pub balloon: Option<bool>,
     pub page_sharing: Option<PageSharingDescription>,
+}
+
+/// A file the embedder opened: its descriptor number (in the embedder and, inherited, in the
+/// VMM process) and the path it was opened from, which only names it in messages.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileDescription {
+    pub fd: RawFd,
+    pub name: PathBuf,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -118,13 +141,75 @@ pub struct PageSharingDescription {
 }
 
 impl VmDescription {
-    /// The descriptor numbers the description names, in order (taps, then disk files).
+    /// The descriptor numbers the description names, in order (the kernel, the initrd, KVM,
+    /// the taps, the disk files).
     pub fn fds(&self) -> Vec<RawFd> {
-        self.nets
-            .iter()
-            .map(|n| n.fd)
+        std::iter::once(self.kernel.fd)
+            .chain(self.initrd.as_ref().map(|i| i.fd))
+            .chain(std::iter::once(self.kvm_fd))
+            .chain(self.nets.iter().map(|n| n.fd))
             .chain(self.blocks.iter().filter_map(|b| b.fd))
             .collect()
+    }
+}
+
+/// The host files the embedder opens for a VMM process, which gets them as descriptors and
+/// never their paths: the kernel and the initrd read-only, `/dev/kvm` read-write, each
+/// close-on-exec here. Keep it until [`VmmProcess::spawn`] returned (the process has its copies
+/// then); dropping it closes the embedder's.
+#[derive(Debug)]
+pub struct HostFiles {
+    kernel: (std::fs::File, PathBuf),
+    initrd: Option<(std::fs::File, PathBuf)>,
+    kvm: OwnedFd,
+}
+
+impl HostFiles {
+    /// Opens the kernel at `kernel`, the initrd at `initrd` (regular files, read-only) and
+    /// `/dev/kvm`; an error names the file that failed and why.
+    pub fn open(kernel: &Path, initrd: Option<&Path>) -> Result<HostFiles, VmmError> {
+        let open = |path: &Path| match BootFile::open_path(path)? {
+            BootFile::Open { file, name } => Ok((file, name)),
+            BootFile::Path(_) => Err("not opened".to_string()),
+        };
+        let kernel = open(kernel).map_err(|reason| VmmError::Kernel {
+            path: kernel.to_path_buf(),
+            reason,
+        })?;
+        let initrd = match initrd {
+            Some(p) => Some(open(p).map_err(|reason| VmmError::Initrd {
+                path: p.to_path_buf(),
+                reason,
+            })?),
+            None => None,
+        };
+        let kvm = crate::kvm_vm::open_kvm()?;
+        Ok(HostFiles {
+            kernel,
+            initrd,
+            kvm,
+        })
+    }
+
+    /// The kernel's part of a description.
+    pub fn kernel(&self) -> FileDescription {
+        FileDescription {
+            fd: self.kernel.0.as_raw_fd(),
+            name: self.kernel.1.clone(),
+        }
+    }
+
+    /// The initrd's part of a description.
+    pub fn initrd(&self) -> Option<FileDescription> {
+        self.initrd.as_ref().map(|(file, name)| FileDescription {
+            fd: file.as_raw_fd(),
+            name: name.clone(),
+        })
+    }
+
+    /// KVM's descriptor number.
+    pub fn kvm_fd(&self) -> RawFd {
+        self.kvm.as_raw_fd()
     }
 }
 
@@ -589,17 +674,22 @@ fn take_fd(fd: RawFd, channel: RawFd, taken: &mut Vec<RawFd>) -> Result<OwnedFd,
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Closes every descriptor above 2 but `keep`.
+/// Closes every descriptor above 2 but `keep`. It allocates nothing (a forked child of a
+/// process with threads may call it: the unit tests do).
 fn close_others(keep: &[RawFd]) {
-    let mut keep: Vec<RawFd> = keep.to_vec();
-    keep.sort_unstable();
     let mut from: u32 = 3;
-    for fd in keep.into_iter().filter(|&f| f >= 3).map(|f| f as u32) {
+    // The kept descriptors in rising order: the smallest one at or above `from`, each round.
+    while let Some(fd) = keep
+        .iter()
+        .filter_map(|&f| u32::try_from(f).ok())
+        .filter(|&f| f >= from)
+        .min()
+    {
         if fd > from {
             // SAFETY: close_range on descriptor numbers we do not use.
             unsafe { libc::syscall(libc::SYS_close_range, from, fd - 1, 0u32) };
         }
-        from = fd + 1;
+        from = fd.saturating_add(1);
     }
     // SAFETY: as above.
     unsafe { libc::syscall(libc::SYS_close_range, from, u32::MAX, 0u32) };
@@ -671,10 +761,19 @@ fn run(
     keep.push(channel_fd);
     close_others(&keep);
     let mut taken = Vec::new();
-    let mut cfg = VmConfig::new(&desc.kernel);
+    // The kernel, the initrd and KVM are the embedder's open files: nothing here opens their
+    // paths, which only name them in messages.
+    let mut boot_file = |f: &FileDescription| -> Result<BootFile, ServeError> {
+        Ok(BootFile::Open {
+            file: take_fd(f.fd, channel_fd, &mut taken)?.into(),
+            name: f.name.clone(),
+        })
+    };
+    let mut cfg = VmConfig::new(boot_file(&desc.kernel)?);
+    cfg.initrd = desc.initrd.as_ref().map(&mut boot_file).transpose()?;
+    cfg.kvm = Some(take_fd(desc.kvm_fd, channel_fd, &mut taken)?);
     cfg.vcpus = desc.vcpus;
     cfg.memory_mib = desc.memory_mib;
-    cfg.initrd = desc.initrd.clone();
     cfg.boot_files = if desc.copy_boot_files {
         BootFiles::Copy
     } else {
@@ -768,6 +867,9 @@ fn run(
         limits.file_size = None;
     }
     let share_dir = desc.shared_fs.as_ref().map(|s| s.host_dir.clone());
+    // The process's own procfs: the file server's `/proc/self/fd`, and page sharing's
+    // `/proc/self/maps` and `/proc/self/pagemap`.
+    let with_proc = serves_fs || desc.page_sharing.is_some();
     let jail = || -> Result<(), VmmError> {
         enter_namespaces()?;
         // The share is cloned from this namespace's copy of it, a slave of the host's mount
@@ -777,7 +879,7 @@ fn run(
             trees.push((dir.clone(), detached_tree(dir)?));
         }
         let mounts: Vec<(&Path, &OwnedFd)> = trees.iter().map(|(p, t)| (p.as_path(), t)).collect();
-        pivot_to_root_holding(&mount_point, &mounts, serves_fs)?;
+        pivot_to_root_holding(&mount_point, &mounts, with_proc)?;
         set_limits(&limits)?;
         keep_capabilities(if serves_fs {
             &FS_SERVER_CAPABILITIES
@@ -926,5 +1028,135 @@ fn serve_requests(
             },
         };
         let _ = channel.send(&answer, &[]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs::File;
+    use std::io::Write;
+
+    /// A regular file with `bytes`, open read-only, and what names it.
+    fn boot_file(bytes: &[u8]) -> (File, tempfile::TempPath) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(bytes).unwrap();
+        let path = f.into_temp_path();
+        (File::open(&path).unwrap(), path)
+    }
+
+    fn file_description(file: &File, path: &Path) -> FileDescription {
+        FileDescription {
+            fd: file.as_raw_fd(),
+            name: path.to_path_buf(),
+        }
+    }
+
+    #[test]
+    fn the_kernel_initrd_and_kvm_descriptors_are_named_and_close_others_keeps_them() {
+        let (kernel, kernel_path) = boot_file(b"\x7fELF kernel");
+        let (initrd, initrd_path) = boot_file(b"070701 initrd");
+        // Stands for /dev/kvm: what is checked here is the descriptor's number and life.
+        let kvm = File::open("/dev/null").unwrap();
+        let tap = File::open("/dev/zero").unwrap();
+        let disk = tempfile::tempfile().unwrap();
+        let desc = VmDescription {
+            kernel: file_description(&kernel, &kernel_path),
+            initrd: Some(file_description(&initrd, &initrd_path)),
+            kvm_fd: kvm.as_raw_fd(),
+            nets: vec![NetDescription {
+                fd: tap.as_raw_fd(),
+                mac: [2, 0, 0, 0, 0, 1],
+                mtu: None,
+            }],
+            blocks: vec![
+                BlockDescription {
+                    serial: "a".into(),
+                    read_only: false,
+                    fd: Some(disk.as_raw_fd()),
+                },
+                BlockDescription {
+                    serial: "empty".into(),
+                    read_only: false,
+                    fd: None,
+                },
+            ],
+            ..VmDescription::default()
+        };
+        assert_eq!(
+            desc.fds(),
+            [
+                kernel.as_raw_fd(),
+                initrd.as_raw_fd(),
+                kvm.as_raw_fd(),
+                tap.as_raw_fd(),
+                disk.as_raw_fd()
+            ]
+        );
+        // The description survives its trip as JSON with its numbers and names.
+        let json = serde_json::to_string(&desc).unwrap();
+        assert_eq!(serde_json::from_str::<VmDescription>(&json).unwrap(), desc);
+
+        // Descriptors the description does not name, below, between and above the named ones.
+        let (channel, theirs) = Channel::pair().unwrap();
+        let others: Vec<File> = (0..3).map(|_| File::open("/dev/null").unwrap()).collect();
+        let mut keep = desc.fds();
+        keep.push(channel.as_fd().as_raw_fd());
+        keep.reverse(); // any order
+        let closed: Vec<RawFd> = others
+            .iter()
+            .map(|f| f.as_raw_fd())
+            .chain(std::iter::once(theirs.as_fd().as_raw_fd()))
+            .collect();
+        // SAFETY: the child makes raw system calls only (close_range, fcntl, exit): the test
+        // harness has other threads, so it must not allocate or take a lock.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            close_others(&keep);
+            let open = |fd: RawFd| {
+                // SAFETY: F_GETFD reads a descriptor's flags; no memory.
+                unsafe { libc::fcntl(fd, libc::F_GETFD) >= 0 }
+            };
+            let mut code = 0;
+            for (i, &fd) in keep.iter().enumerate() {
+                if !open(fd) {
+                    code = 10 + i as i32;
+                }
+            }
+            for (i, &fd) in closed.iter().enumerate() {
+                if open(fd) {
+                    code = 20 + i as i32;
+                }
+            }
+            // SAFETY: ends this single-threaded child.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child forked above; `status` is a valid out pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "{status:#x}");
+        let code = libc::WEXITSTATUS(status);
+        assert_eq!(
+            code, 0,
+            "10+i: kept descriptor i ({keep:?}) closed; 20+i: descriptor i ({closed:?}) left open"
+        );
+    }
+
+    #[test]
+    fn a_descriptor_named_twice_or_the_channels_is_refused() {
+        let (kernel, _path) = boot_file(b"\x7fELF");
+        let fd = kernel.as_raw_fd();
+        let mut taken = Vec::new();
+        // take_fd owns what it takes: give it a copy.
+        let copy_fd = std::os::fd::IntoRawFd::into_raw_fd(kernel.try_clone().unwrap());
+        let first = take_fd(copy_fd, fd, &mut taken).unwrap();
+        let e = take_fd(copy_fd, fd, &mut taken).unwrap_err().to_string();
+        assert!(e.contains("is not one the VMM process was given"), "{e}");
+        let e = take_fd(fd, fd, &mut taken).unwrap_err().to_string();
+        assert!(e.contains(&format!("descriptor {fd} ")), "{e}");
+        let e = take_fd(2, fd, &mut taken).unwrap_err().to_string();
+        assert!(e.contains("descriptor 2 "), "{e}");
+        drop(first);
     }
 }
