@@ -7,8 +7,12 @@
 //! process:
 //! - `start_to_first_serial_byte`: until the first byte of the guest's console reaches us;
 //! - `start_to_exit`: until the VMM process has exited after the guest's reset;
-//! - `vmm_peak_rss`: the process's peak RSS (`ru_maxrss` from wait4); the guest touches a few
-//!   pages only, so it is close to what the VMM itself costs on the host beyond guest memory.
+//! - `vmm_peak_rss`: the process's peak RSS (`VmHWM` at its exit, see [`measure`]); the guest
+//!   touches a few pages only, so it is close to what the VMM itself costs on the host beyond
+//!   guest memory. A `#` line splits the RSS at the exit into anonymous memory (heap, stacks,
+//!   the pages the guest touched: what each VMM process adds) and pages mapped from files (the
+//!   binary's code and data, the shared libraries: page cache that every process running the
+//!   same binary shares).
 //!
 //! Prints one line per metric, `NAME ours=… qemu=… ratio=…` (medians; ratio = ours / qemu),
 //! and the targets the issue sets. Timing assertions do not belong in tests on a noisy 2-core
@@ -74,6 +78,18 @@ struct Sample {
     /// `ru_maxrss` as wait4 reports it, which is never below this bench's own peak RSS when it
     /// spawned the VMM (see [`measure`]); kept for comparison with older reports.
     wait4_maxrss_kib: u64,
+    /// The RSS at the exit split (`/proc/<pid>/smaps_rollup`, read at the same stop).
+    exit_rss: RssSplit,
+}
+
+/// A process's resident memory split by what backs it, in KiB.
+#[derive(Debug, Clone, Copy)]
+struct RssSplit {
+    /// Anonymous pages: heap, stacks, guest memory the guest touched.
+    anon_kib: u64,
+    /// Everything else resident: pages mapped from files (the binary, the shared libraries)
+    /// and shared memory.
+    mapped_kib: u64,
 }
 
 fn repo_root() -> PathBuf {
@@ -150,6 +166,7 @@ fn measure(mut cmd: Command, what: &str, timeout: Duration) -> Result<Sample> {
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     let deadline = start + timeout;
     let mut peak_rss_kib = None;
+    let mut exit_rss = None;
     let exit = loop {
         // SAFETY: pid is our own child; status and usage point to live locals.
         let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
@@ -158,6 +175,7 @@ fn measure(mut cmd: Command, what: &str, timeout: Duration) -> Result<Sample> {
             let event = (status >> 16) & 0xff;
             let signal = if event == libc::PTRACE_EVENT_EXIT {
                 peak_rss_kib = vm_hwm_kib(pid);
+                exit_rss = rss_split(pid);
                 0
             } else if event == 0 {
                 libc::WSTOPSIG(status)
@@ -197,11 +215,40 @@ fn measure(mut cmd: Command, what: &str, timeout: Duration) -> Result<Sample> {
     let peak_rss_kib = peak_rss_kib.with_context(|| {
         format!("{what} exited without the exit stop where its peak RSS is read")
     })?;
+    let exit_rss = exit_rss.with_context(|| {
+        format!("{what}: no smaps_rollup at the exit stop where its RSS is split")
+    })?;
     Ok(Sample {
         first_byte,
         exit,
         peak_rss_kib,
         wait4_maxrss_kib: usage.ru_maxrss as u64,
+        exit_rss,
+    })
+}
+
+/// The resident memory of `pid` split into anonymous and mapped from files
+/// (`/proc/<pid>/smaps_rollup`: `Rss` and `Anonymous`, both KiB).
+fn rss_split(pid: libc::pid_t) -> Option<RssSplit> {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    parse_rss_split(&rollup)
+}
+
+fn parse_rss_split(rollup: &str) -> Option<RssSplit> {
+    let field = |name: &str| -> Option<u64> {
+        rollup
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let rss = field("Rss")?;
+    let anon_kib = field("Anonymous")?;
+    Some(RssSplit {
+        anon_kib,
+        mapped_kib: rss.checked_sub(anon_kib)?,
     })
 }
 
@@ -514,6 +561,16 @@ fn vmm_boot_bench() -> Result<()> {
          counts this bench's own peak RSS at the spawn: ours={:.1}MiB qemu={:.1}MiB",
         mib(&ours, |s| s.wait4_maxrss_kib),
         mib(&theirs, |s| s.wait4_maxrss_kib)
+    );
+    println!(
+        "# RSS at the exit: anonymous (heap, stacks, guest pages touched; what each VMM process \
+         adds) ours={:.1}MiB qemu={:.1}MiB; mapped from files (the binary and its shared \
+         libraries, page cache shared by every process of the same binary) ours={:.1}MiB \
+         qemu={:.1}MiB",
+        mib(&ours, |s| s.exit_rss.anon_kib),
+        mib(&theirs, |s| s.exit_rss.anon_kib),
+        mib(&ours, |s| s.exit_rss.mapped_kib),
+        mib(&theirs, |s| s.exit_rss.mapped_kib)
     );
     println!("# targets: start ratio <= 0.5; VMM overhead beyond guest memory <= 4 MiB");
     Ok(())
@@ -1574,6 +1631,23 @@ mod tests {
             reason: "linux guests boot under the embedded vmm".into(),
             report: "kvm: hardware (...)\nverdict: ...".into(),
         }
+    }
+
+    #[test]
+    fn the_rss_at_exit_splits_into_anonymous_and_mapped() {
+        // A smaps_rollup as Linux 6.18 prints it (abridged): `Rss` sums anonymous, file and
+        // shared memory pages; `Pss_Anon` and friends must not be taken for `Anonymous`.
+        let rollup = "555555554000-7ffffffff000 ---p 00000000 00:00 0  [rollup]\n\
+                      Rss:                4668 kB\n\
+                      Pss:                2827 kB\n\
+                      Pss_Anon:            376 kB\n\
+                      Pss_File:           2451 kB\n\
+                      Anonymous:           376 kB\n\
+                      AnonHugePages:         0 kB\n";
+        let split = parse_rss_split(rollup).unwrap();
+        assert_eq!((split.anon_kib, split.mapped_kib), (376, 4292));
+        assert!(parse_rss_split("Rss: 10 kB\n").is_none());
+        assert!(parse_rss_split("Rss: 10 kB\nAnonymous: 11 kB\n").is_none());
     }
 
     #[test]
