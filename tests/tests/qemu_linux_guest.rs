@@ -109,6 +109,9 @@ fn boot_check_shutdown(vcpus: u32) {
         3,
         "the VM's init, QEMU and vhost-device-vsock run"
     );
+    // The init names itself for ps and top, whatever the binary's file name.
+    let init_name = fs::read_to_string(format!("/proc/{}/comm", pids[0])).expect("the init's comm");
+    assert_eq!(init_name.trim_end(), "microvm-init");
     let console_at = started.elapsed();
     vm.wait_for_console(AGENT_READY, AGENT_TIMEOUT)
         .expect("the agent's ready line");

@@ -223,6 +223,9 @@ impl Drop for Entered {
 /// [`SUBCOMMAND`] first thing).
 pub const DEFAULT_BINARY: &str = "/proc/self/exe";
 
+/// The init's name in the process table (`/proc/<pid>/comm`, at most 15 bytes).
+pub const PROCESS_NAME: &std::ffi::CStr = c"microvm-init";
+
 /// `<binary> __pod-init <work dir>`: says "running" on [`READY_FD`], closes every other
 /// descriptor but standard error, and reaps the orphans the namespace gives it, until the
 /// kernel kills it (the shim died, or the VM ended and the shim killed it). Returns only on
@@ -232,6 +235,9 @@ pub fn pod_init_main() -> i32 {
         eprintln!("{SUBCOMMAND}: not PID 1 of a PID namespace; only the shim starts this");
         return 2;
     }
+    // Its name in ps and top (the kernel's `comm`): the execve of /proc/self/exe named it `exe`.
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes, a static here.
+    unsafe { libc::prctl(libc::PR_SET_NAME, PROCESS_NAME.as_ptr()) };
     // SAFETY: a sigset_t we own, filled by sigemptyset/sigaddset; sigprocmask changes only
     // this (single-threaded) process's mask.
     let set = unsafe {
