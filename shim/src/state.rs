@@ -275,11 +275,13 @@ impl StateDir {
         fs::write(&file, text).map_err(io_err(&file))
     }
 
-    /// Whether the shim recorded in the directory still runs.
+    /// Whether the shim recorded in the directory still runs: a shim that is exiting (killed,
+    /// its threads gone or going) does not, even while its listening socket, released last,
+    /// still takes connections for some milliseconds.
     pub fn shim_alive(&self) -> bool {
         read_records(&self.path.join(SHIM_PID_FILE))
             .into_iter()
-            .any(|(pid, start)| start_time(pid) == Some(start))
+            .any(|(pid, start)| start_time(pid) == Some(start) && !exiting(pid))
     }
 
     /// SIGKILLs the recorded VM processes that still run (a recycled pid is left alone) and
@@ -381,6 +383,26 @@ fn read_records(file: &Path) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// The kernel's flag of a task in `do_exit` (`PF_EXITING`, linux/sched.h): set on every thread
+/// of a killed process as it exits, before its descriptors are released.
+const PF_EXITING: u64 = 0x4;
+
+/// Whether `pid` is exiting (`PF_EXITING` in `/proc/<pid>/stat` field 9), or gone.
+pub fn exiting(pid: u32) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    let Some(at) = stat.rfind(')') else {
+        return true;
+    };
+    // After the command name: state (3), ppid, pgrp, session, tty_nr, tpgid, flags (9).
+    stat[at + 1..]
+        .split_whitespace()
+        .nth(6)
+        .and_then(|f| f.parse::<u64>().ok())
+        .is_none_or(|flags| flags & PF_EXITING != 0)
+}
+
 /// A live (not zombie) process's start time in clock ticks since boot (`/proc/<pid>/stat`
 /// field 22), or `None` if it is gone.
 pub fn start_time(pid: u32) -> Option<u64> {
@@ -477,6 +499,8 @@ mod tests {
         let pid = child.id();
         child.wait().unwrap();
         assert_eq!(start_time(pid), None);
+        assert!(!exiting(std::process::id()));
+        assert!(exiting(pid));
         assert_eq!(unescape_mountinfo(r"/a\040b\134c"), "/a b\\c");
     }
 

@@ -106,7 +106,13 @@ impl Shim for MicrovmShim {
         let address = address.trim();
         // A healthy shim (it serves and runs) is left alone at once: containerd also runs this
         // when one container's connection to a live pod shim closes.
+        // A pod left alone here is cleaned up by nobody else until its shim ends: say so on
+        // stderr, which containerd logs ("cleanup warnings").
         if !address.is_empty() && reclaim::socket_serves(address).await && state.shim_alive() {
+            eprintln!(
+                "pod {pod_id} ({}): its shim still serves {address} and runs: left alone",
+                self.id
+            );
             return Ok(exit_response());
         }
         if !state.path().exists() {
