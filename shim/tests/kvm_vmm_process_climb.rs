@@ -23,6 +23,8 @@
     reason = "test harness: a failed step is the test's failure"
 )]
 
+mod common;
+use common::guest;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -173,18 +175,6 @@ fn forbidden(role: Role, nr: libc::c_long) {
 }
 
 // ---- The test ----
-
-fn guest(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../build/guests")
-        .join(format!("{name}.elf"));
-    assert!(
-        p.is_file(),
-        "{} is missing: make -C tests/guests",
-        p.display()
-    );
-    p
-}
 
 /// The idle guest's kernel and /dev/kvm, opened as the shim opens them.
 fn idle_files() -> HostFiles {

@@ -13,39 +13,13 @@
     reason = "test harness: a failed step is the test's failure"
 )]
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+mod common;
+use common::{exe, guest, wait_for_console};
+use std::path::Path;
+use std::time::Duration;
 
 use vmm::jail::channel::EndKind;
 use vmm::jail::split::{HostFiles, PageSharingDescription, VmDescription, VmmProcess};
-
-fn guest(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../build/guests")
-        .join(format!("{name}.elf"));
-    assert!(
-        p.is_file(),
-        "{} is missing: make -C tests/guests",
-        p.display()
-    );
-    p
-}
-
-fn exe() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_containerd-shim-microvm-v1"))
-}
-
-fn wait_for_console(log: &Path, needle: &str) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if text.contains(needle) {
-            return text;
-        }
-        assert!(Instant::now() < deadline, "no {needle:?} in {text:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// A newc cpio archive holding one file `name` of `data`.
 fn newc(name: &str, data: &[u8]) -> Vec<u8> {

@@ -11,6 +11,8 @@
     reason = "test harness: a failed step is the test's failure"
 )]
 
+mod common;
+use common::{exe, guest, wait_for_console};
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -20,22 +22,6 @@ use vmm::jail::channel::EndKind;
 use vmm::jail::split::{
     BlockDescription, FileDescription, HostFiles, VmDescription, VmmProcess, VsockDescription,
 };
-
-fn guest(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../build/guests")
-        .join(format!("{name}.elf"));
-    assert!(
-        p.is_file(),
-        "{} is missing: make -C tests/guests",
-        p.display()
-    );
-    p
-}
-
-fn exe() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_containerd-shim-microvm-v1"))
-}
 
 fn field(status: &str, name: &str) -> String {
     status
@@ -49,18 +35,6 @@ fn ns(pid: &str, kind: &str) -> String {
     std::fs::read_link(format!("/proc/{pid}/ns/{kind}"))
         .map(|p| p.display().to_string())
         .unwrap_or_default()
-}
-
-fn wait_for_console(log: &Path, needle: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if text.contains(needle) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no {needle:?} in {text:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Test guest `name`'s kernel and /dev/kvm, opened as the shim opens them.

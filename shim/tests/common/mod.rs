@@ -1,0 +1,38 @@
+//! What the shim's kvm_vmm_process_* tests share: the test guests, the shim binary, the
+//! console wait. Each test binary includes it with `mod common;`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Test guest `name` (build/guests/<name>.elf, `make -C tests/guests`).
+pub fn guest(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../build/guests")
+        .join(format!("{name}.elf"));
+    assert!(
+        p.is_file(),
+        "{} is missing: make -C tests/guests",
+        p.display()
+    );
+    p
+}
+
+/// The shim binary, which runs the VMM process (`__vmm`).
+#[allow(dead_code, reason = "kvm_vmm_process_climb is its own VMM process")]
+pub fn exe() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_containerd-shim-microvm-v1"))
+}
+
+/// Waits up to 30 s until the console log `log` holds `needle`; returns the log's text.
+#[allow(dead_code, reason = "kvm_vmm_process_climb reads no console")]
+pub fn wait_for_console(log: &Path, needle: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(needle) {
+            return text;
+        }
+        assert!(Instant::now() < deadline, "no {needle:?} in {text:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
