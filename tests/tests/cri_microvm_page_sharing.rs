@@ -8,7 +8,8 @@
 //! same template files and hold the same physical template pages; a pod of another namespace
 //! maps files of its own and holds none of those pages (read from the shims' /proc/<pid>/maps
 //! and /proc/<pid>/pagemap). The kernel text template is captured once, by a VM that saw no pod
-//! input, and no pod maps the captured file itself.
+//! input, and no pod maps the captured file itself. A pod's first app container brings one more
+//! pass (the late pass), and later containers none.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -16,7 +17,8 @@
 )]
 
 use microvm_tests::containerd::PrivateContainerd;
-use microvm_tests::cri::CriClient;
+use microvm_tests::cri::{container_config, CriClient};
+use microvm_tests::images::BUSYBOX_IMAGE;
 use microvm_tests::microvm_pods::*;
 use std::collections::{BTreeSet, HashMap};
 use std::io::{Read, Seek, SeekFrom};
@@ -225,6 +227,41 @@ async fn pods_share_template_pages_within_a_namespace_and_never_across() {
         "two pods of one namespace share no template page"
     );
     assert_eq!(across, 0, "pods of two namespaces share template pages");
+
+    // The late pass: the first app container's start brings one more pass, and only the first.
+    cri.wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    for name in ["first", "second"] {
+        let config = container_config(name, BUSYBOX_IMAGE, &["true"]);
+        let exited =
+            run_container_to_exit(&ctrd, &cri, &b1, config, Duration::from_secs(120)).await;
+        assert_eq!(exited.status.exit_code, 0, "{name}: {:?}", exited.lines());
+        // The late pass runs on the VM's thread after StartContainer answered: wait for it.
+        let waited = std::time::Instant::now();
+        while sharing_lines(&ctrd).0.len() < 4 && waited.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    // A pass the second container brought would have been logged while it ran; give it a moment.
+    std::thread::sleep(Duration::from_secs(2));
+    let (passes, lines) = sharing_lines(&ctrd);
+    let all = lines.join("\n");
+    eprintln!("{all}");
+    assert_eq!(
+        passes.len(),
+        4,
+        "one late pass, for the first container only:\n{all}"
+    );
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("the late pass")).count(),
+        1,
+        "{all}"
+    );
+    assert!(
+        !lines.iter().any(|l| l.contains("late pass failed")),
+        "{all}"
+    );
 
     for pod in [&a1, &a2] {
         cri.stop_pod_sandbox(&pod.id).await.unwrap();

@@ -343,6 +343,7 @@ impl Sandbox {
             agent,
             info,
             devices: device_table,
+            app_started: Default::default(),
         })
     }
 }

@@ -195,6 +195,9 @@ impl Task for TaskService {
                 .map_err(Error::agent(format!("starting container {}", req.id)))?;
             let (outputs, handle) = {
                 let mut inner = self.inner.lock().await;
+                if let Ok(sandbox) = inner.sandbox() {
+                    sandbox.app_container_started();
+                }
                 let c = inner.get_mut(&req.id)?;
                 // Running before the watcher can record a (quick) exit.
                 c.init.set(State::Running);

@@ -58,6 +58,8 @@ enum Command {
         index: usize,
         reply: DiskReply,
     },
+    /// One more page sharing pass (no answer: the VM thread logs what it did).
+    SharePages,
 }
 
 /// A pod VM whose agent reported ready, on its own thread.
@@ -117,6 +119,12 @@ impl VmThread {
     /// Asks the VM to stop; it reports `status` as its exit. No-op once it has ended.
     pub fn stop(&self, status: u32) {
         let _ = self.commands.send(Command::Stop { status });
+    }
+
+    /// Asks the VM thread for one more page sharing pass (docs/page-sharing.md, "The late
+    /// pass"), without waiting for it: a no-op for a VM without page sharing, or once it ended.
+    pub fn share_pages_again(&self) {
+        let _ = self.commands.send(Command::SharePages);
     }
 
     /// Fills empty disk slot `index` with `file` on the VM's thread.
@@ -313,6 +321,14 @@ fn vm_thread(
             }
             Ok(Command::DetachBlock { index, reply }) => {
                 let _ = reply.send(vm.detach_block(index).map_err(|e| e.to_string()));
+            }
+            Ok(Command::SharePages) => {
+                log::info!(
+                    "page sharing: the late pass, after the pod's first app container started"
+                );
+                if let Some(Err(e)) = vm.share_pages() {
+                    log::warn!("page sharing: the late pass failed (the pod runs on): {e}");
+                }
             }
             Ok(Command::Stop { status }) => {
                 if let Err(e) = vm.stop() {
