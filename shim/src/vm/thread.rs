@@ -322,14 +322,17 @@ fn vm_thread(
             Ok(Command::DetachBlock { index, reply }) => {
                 let _ = reply.send(vm.detach_block(index).map_err(|e| e.to_string()));
             }
-            Ok(Command::SharePages) => {
-                log::info!(
-                    "page sharing: the late pass, after the pod's first app container started"
-                );
-                if let Some(Err(e)) = vm.share_pages() {
-                    log::warn!("page sharing: the late pass failed (the pod runs on): {e}");
+            Ok(Command::SharePages) => match vm.share_pages() {
+                // No page sharing on this VM (off, or the QEMU backend).
+                None => {}
+                Some(Ok(())) => log::info!(
+                    "page sharing: that was the late pass, after the pod's first app container \
+                     started"
+                ),
+                Some(Err(e)) => {
+                    log::warn!("page sharing: the late pass failed (the pod runs on): {e}")
                 }
-            }
+            },
             Ok(Command::Stop { status }) => {
                 if let Err(e) = vm.stop() {
                     log::warn!("stopping the pod VM: {e}");
