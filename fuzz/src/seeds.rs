@@ -668,35 +668,9 @@ pub fn boot_elf() -> Vec<Vec<u8>> {
     vec![f, unaligned]
 }
 
+/// One newc entry; every seed entry has inode 1 (the parser under test ignores it).
 fn cpio_entry(out: &mut Vec<u8>, name: &str, mode: u32, data: &[u8]) {
-    let fields = [
-        1,
-        mode,
-        0,
-        0,
-        1,
-        0,
-        data.len() as u32,
-        0,
-        0,
-        0,
-        0,
-        name.len() as u32 + 1,
-        0,
-    ];
-    out.extend_from_slice(b"070701");
-    for f in fields {
-        out.extend_from_slice(format!("{f:08x}").as_bytes());
-    }
-    out.extend_from_slice(name.as_bytes());
-    out.push(0);
-    while !out.len().is_multiple_of(4) {
-        out.push(0);
-    }
-    out.extend_from_slice(data);
-    while !out.len().is_multiple_of(4) {
-        out.push(0);
-    }
+    testkit::cpio::newc_entry(out, 1, mode, name, data);
 }
 
 /// initrd_cpio: two archives back to back, with a directory, files and a symlink.

@@ -23,40 +23,7 @@ use vmm::jail::split::{HostFiles, PageSharingDescription, VmDescription, VmmProc
 
 /// A newc cpio archive holding one file `name` of `data`.
 fn newc(name: &str, data: &[u8]) -> Vec<u8> {
-    fn entry(out: &mut Vec<u8>, ino: u32, mode: u32, name: &str, data: &[u8]) {
-        let fields = [
-            ino,
-            mode,
-            0,
-            0,
-            1,
-            0,
-            data.len() as u32,
-            0,
-            0,
-            0,
-            0,
-            name.len() as u32 + 1,
-            0,
-        ];
-        out.extend_from_slice(b"070701");
-        for f in fields {
-            out.extend_from_slice(format!("{f:08x}").as_bytes());
-        }
-        out.extend_from_slice(name.as_bytes());
-        out.push(0);
-        while !out.len().is_multiple_of(4) {
-            out.push(0);
-        }
-        out.extend_from_slice(data);
-        while !out.len().is_multiple_of(4) {
-            out.push(0);
-        }
-    }
-    let mut out = Vec::new();
-    entry(&mut out, 1, 0o100644, name, data);
-    entry(&mut out, 0, 0, "TRAILER!!!", &[]);
-    out
+    testkit::cpio::newc_archive(&[(name, 0o100644, data)])
 }
 
 /// An initrd of one file of 3 pages of `byte`, its data page-aligned in the archive (the name

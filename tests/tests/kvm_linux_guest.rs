@@ -258,42 +258,14 @@ fn linux_guest_sees_virtio_blk_disks_and_a_hot_attach() {
 /// shell script, without the agent.
 fn busybox_initrd(script: &str) -> tempfile::NamedTempFile {
     let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (Debian busybox-static)");
-    let mut cpio = Vec::new();
-    let mut ino = 1u32;
-    let mut entry = |name: &str, mode: u32, data: &[u8]| {
-        let namesize = name.len() + 1;
-        let fields = [
-            ino,
-            mode,
-            0,
-            0,
-            1,
-            0,
-            u32::try_from(data.len()).expect("fits a cpio entry"),
-            0,
-            0,
-            0,
-            0,
-            u32::try_from(namesize).expect("short name"),
-            0,
-        ];
-        ino += 1;
-        cpio.extend_from_slice(b"070701");
-        for f in fields {
-            cpio.extend_from_slice(format!("{f:08x}").as_bytes());
-        }
-        cpio.extend_from_slice(name.as_bytes());
-        cpio.push(0);
-        cpio.resize(cpio.len().next_multiple_of(4), 0);
-        cpio.extend_from_slice(data);
-        cpio.resize(cpio.len().next_multiple_of(4), 0);
-    };
-    for dir in ["bin", "dev", "proc", "tmp"] {
-        entry(dir, 0o040755, b"");
-    }
-    entry("bin/busybox", 0o100755, &busybox);
-    entry("init", 0o100755, script.as_bytes());
-    entry("TRAILER!!!", 0, b"");
+    let cpio = testkit::cpio::newc_archive(&[
+        ("bin", 0o040755, b""),
+        ("dev", 0o040755, b""),
+        ("proc", 0o040755, b""),
+        ("tmp", 0o040755, b""),
+        ("bin/busybox", 0o100755, &busybox),
+        ("init", 0o100755, script.as_bytes()),
+    ]);
     let f = tempfile::NamedTempFile::new().expect("a temp file");
     std::fs::write(f.path(), &cpio).expect("write the initrd");
     f

@@ -1368,33 +1368,11 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
     use vm_memory::Bytes;
 
+    /// The entries as given (a trailer only if listed), inodes numbered from 1.
     fn newc(entries: &[(&str, u32, &[u8])]) -> Vec<u8> {
         let mut cpio = Vec::new();
-        for (ino, (name, mode, data)) in entries.iter().enumerate() {
-            let fields = [
-                ino as u32 + 1,
-                *mode,
-                0,
-                0,
-                1,
-                0,
-                data.len() as u32,
-                0,
-                0,
-                0,
-                0,
-                name.len() as u32 + 1,
-                0,
-            ];
-            cpio.extend_from_slice(b"070701");
-            for f in fields {
-                cpio.extend_from_slice(format!("{f:08x}").as_bytes());
-            }
-            cpio.extend_from_slice(name.as_bytes());
-            cpio.push(0);
-            cpio.resize(cpio.len().next_multiple_of(4), 0);
-            cpio.extend_from_slice(data);
-            cpio.resize(cpio.len().next_multiple_of(4), 0);
+        for (ino, (name, mode, data)) in (1u32..).zip(entries) {
+            testkit::cpio::newc_entry(&mut cpio, ino, *mode, name, data);
         }
         cpio
     }
