@@ -281,7 +281,10 @@ impl StateDir {
     pub fn shim_alive(&self) -> bool {
         read_records(&self.path.join(SHIM_PID_FILE))
             .into_iter()
-            .any(|(pid, start)| start_time(pid) == Some(start) && !exiting(pid))
+            .any(|(pid, start)| {
+                ProcStat::read(pid)
+                    .is_some_and(|s| s.is_live() && s.start_time == start && !s.is_exiting())
+            })
     }
 
     /// SIGKILLs the recorded VM processes that still run (a recycled pid is left alone) and
@@ -387,35 +390,60 @@ fn read_records(file: &Path) -> Vec<(u32, u64)> {
 /// of a killed process as it exits, before its descriptors are released.
 const PF_EXITING: u64 = 0x4;
 
+/// What this module reads of `/proc/<pid>/stat`, parsed once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcStat {
+    /// Field 3: `R`, `S`, `D`, `Z` (zombie), `X` (dead), ...
+    pub state: char,
+    /// Field 9: the kernel's `PF_*` flags.
+    pub flags: u64,
+    /// Field 22: the start time in clock ticks since boot.
+    pub start_time: u64,
+}
+
+impl ProcStat {
+    /// The stat of `pid`, or `None` if it is gone (or the file cannot be parsed).
+    pub fn read(pid: u32) -> Option<ProcStat> {
+        Self::parse(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    }
+
+    fn parse(stat: &str) -> Option<ProcStat> {
+        // The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+        let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+        let state = fields.next()?.chars().next()?;
+        // From field 4 (ppid), pgrp, session, tty_nr, tpgid: flags is field 9.
+        let flags = fields.nth(5)?.parse().ok()?;
+        // Then fields 10-21 (12 of them): start time is field 22.
+        let start_time = fields.nth(12)?.parse().ok()?;
+        Some(ProcStat {
+            state,
+            flags,
+            start_time,
+        })
+    }
+
+    /// Neither a zombie nor dead.
+    pub fn is_live(&self) -> bool {
+        self.state != 'Z' && self.state != 'X'
+    }
+
+    /// In `do_exit`: killed or ending, its descriptors about to be released.
+    pub fn is_exiting(&self) -> bool {
+        self.flags & PF_EXITING != 0
+    }
+}
+
 /// Whether `pid` is exiting (`PF_EXITING` in `/proc/<pid>/stat` field 9), or gone.
 pub fn exiting(pid: u32) -> bool {
-    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return true;
-    };
-    let Some(at) = stat.rfind(')') else {
-        return true;
-    };
-    // After the command name: state (3), ppid, pgrp, session, tty_nr, tpgid, flags (9).
-    stat[at + 1..]
-        .split_whitespace()
-        .nth(6)
-        .and_then(|f| f.parse::<u64>().ok())
-        .is_none_or(|flags| flags & PF_EXITING != 0)
+    ProcStat::read(pid).is_none_or(|s| s.is_exiting())
 }
 
 /// A live (not zombie) process's start time in clock ticks since boot (`/proc/<pid>/stat`
 /// field 22), or `None` if it is gone.
 pub fn start_time(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?;
-    if state == "Z" || state == "X" {
-        return None;
-    }
-    // `rest` starts at field 3 (state); field 22 is 19 further on.
-    fields.nth(18)?.parse().ok()
+    ProcStat::read(pid)
+        .filter(ProcStat::is_live)
+        .map(|s| s.start_time)
 }
 
 /// SIGKILLs `pid` if it is still the process recorded (same start time) and waits (bounded)
@@ -490,6 +518,26 @@ mod tests {
         ] {
             assert!(sock.as_os_str().len() <= 107, "{}", sock.display());
         }
+    }
+
+    #[test]
+    fn proc_stat_fields_after_a_command_name_with_spaces_and_parentheses() {
+        let line = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194564 100 0 0 0 1 2 0 0 20 0 1 0 \
+                    987654 1000 50 18446744073709551615";
+        let stat = ProcStat::parse(line).unwrap();
+        assert_eq!(
+            stat,
+            ProcStat {
+                state: 'S',
+                flags: 4194564,
+                start_time: 987654
+            }
+        );
+        assert!(stat.is_live() && stat.is_exiting());
+        let zombie = ProcStat::parse("1 (x) Z 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 7").unwrap();
+        assert!(!zombie.is_live() && !zombie.is_exiting());
+        assert_eq!(zombie.start_time, 7);
+        assert_eq!(ProcStat::parse("1 (cut short) S 0 0"), None);
     }
 
     #[test]

@@ -741,15 +741,7 @@ mod tests {
         .join()
         .unwrap();
         let (init_pid, child) = rx.recv().unwrap();
-        let alive = |pid: u32| {
-            fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-                !s.rsplit(')')
-                    .next()
-                    .unwrap_or("")
-                    .trim_start()
-                    .starts_with('Z')
-            })
-        };
+        let alive = |pid: u32| crate::state::ProcStat::read(pid).is_some_and(|s| s.is_live());
         // Both are this process's children: each is reaped once it has exited, as the shim's
         // parent would reap them after a kill -9 of the shim. The init's exit waits until every
         // process of its namespace is reaped, so the child's zombie must go first.
