@@ -12,6 +12,7 @@
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -465,19 +466,20 @@ fn kill_if_same(pid: u32, start: u64) -> bool {
     true
 }
 
-/// Mount points at or under `dir`, from /proc/self/mountinfo.
+/// Mount points at or under `dir`, from /proc/self/mountinfo, in its order (a path mounted on
+/// twice is listed twice).
 pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     info.lines()
         .filter_map(|l| l.split(' ').nth(4))
         .map(unescape_mountinfo)
-        .map(PathBuf::from)
         .filter(|p| p.starts_with(dir))
         .collect()
 }
 
-/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
-fn unescape_mountinfo(s: &str) -> String {
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`; other bytes are the path's
+/// own (not necessarily UTF-8).
+fn unescape_mountinfo(s: &str) -> PathBuf {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -494,7 +496,7 @@ fn unescape_mountinfo(s: &str) -> String {
             i += 1;
         }
     }
-    String::from_utf8_lossy(&out).into_owned()
+    PathBuf::from(std::ffi::OsString::from_vec(out))
 }
 
 #[cfg(test)]
@@ -549,7 +551,9 @@ mod tests {
         assert_eq!(start_time(pid), None);
         assert!(!exiting(std::process::id()));
         assert!(exiting(pid));
-        assert_eq!(unescape_mountinfo(r"/a\040b\134c"), "/a b\\c");
+        assert_eq!(unescape_mountinfo(r"/a\040b\134c"), Path::new("/a b\\c"));
+        // A cut escape is kept as it is.
+        assert_eq!(unescape_mountinfo(r"/x\04"), Path::new(r"/x\04"));
     }
 
     #[test]

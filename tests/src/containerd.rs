@@ -1017,42 +1017,19 @@ fn wait_child(child: &mut Child, timeout: Duration) -> bool {
     false
 }
 
-/// Mount points at or below `dir` in this mount namespace, deepest first.
+/// Mount points at or below `dir` in this mount namespace, deepest first, each once (the
+/// shim's reading of /proc/self/mountinfo, sorted for unmounting).
 pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut found: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .map(unescape_mount_path)
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    found.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    let mut found = shim::state::mounts_under(dir);
+    // Longest first; equal paths next to each other, so that dedup sees them.
+    found.sort_by(|a, b| {
+        b.as_os_str()
+            .len()
+            .cmp(&a.as_os_str().len())
+            .then_with(|| a.cmp(b))
+    });
     found.dedup();
     found
-}
-
-/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
-fn unescape_mount_path(field: &str) -> PathBuf {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\'
-            && i + 3 < bytes.len()
-            && bytes[i + 1..i + 4]
-                .iter()
-                .all(|b| (b'0'..=b'7').contains(b))
-        {
-            let value =
-                (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
-            out.push(value);
-            i += 4;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    PathBuf::from(std::ffi::OsStr::from_bytes(&out))
 }
 
 fn unmount_lazy(path: &Path) {
@@ -1148,15 +1125,6 @@ fn remove_cgroups(parent: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mountinfo_paths_are_unescaped() {
-        assert_eq!(
-            unescape_mount_path(r"/tmp/a\040b\134c"),
-            PathBuf::from("/tmp/a b\\c")
-        );
-        assert_eq!(unescape_mount_path(r"/x\04"), PathBuf::from(r"/x\04"));
-    }
 
     #[test]
     fn config_names_both_handlers_and_private_paths_in_each_lines_format() {
