@@ -1099,9 +1099,15 @@ mod tests {
         // Nothing that turns xattrs on, and none of the C virtiofsd's `-o` options.
         for a in &args {
             assert!(
-                !["--xattr", "--xattrmap", "--posix-acl", "--security-label", "-o"]
-                    .iter()
-                    .any(|bad| a.starts_with(bad)),
+                ![
+                    "--xattr",
+                    "--xattrmap",
+                    "--posix-acl",
+                    "--security-label",
+                    "-o"
+                ]
+                .iter()
+                .any(|bad| a.starts_with(bad)),
                 "{a}"
             );
         }
