@@ -42,8 +42,9 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 1
 fi
 
-# The two cargo builds run side by side (about 2 minutes each on two cores when cold); each
-# skips at once when its binary is in the cache.
+# The two cargo builds run side by side (about 2 minutes each on two busy cores when cold; together
+# about as long as one after the other there, shorter on wider machines); each skips at once when
+# its binary is in the cache.
 "$here/install-vhost-device-vsock.sh" >/dev/null &
 vsock=$!
 "$here/install-virtiofsd.sh" >/dev/null &
