@@ -156,6 +156,13 @@ pub enum QemuError {
         socket: PathBuf,
         stderr: String,
     },
+    #[error("{binary} exited ({status}) before creating its socket {socket} (the QEMU backend runs the Rust virtiofsd, scripts/install-virtiofsd.sh; QEMU 7.2's C virtiofsd takes other options and is not supported); its stderr ends with:\n{stderr}")]
+    VirtiofsdExited {
+        binary: PathBuf,
+        status: ExitStatus,
+        socket: PathBuf,
+        stderr: String,
+    },
     #[error("{binary} did not create its socket {socket} within {timeout:?}; its stderr ends with:\n{stderr}")]
     BackendTimeout {
         binary: PathBuf,
@@ -431,7 +438,7 @@ impl QemuVm {
             };
             if let Some(status) = exited {
                 self.virtiofsd = None;
-                return Err(QemuError::BackendExited {
+                return Err(QemuError::VirtiofsdExited {
                     binary: self.virtiofsd_binary.clone(),
                     status,
                     socket: self.paths.virtiofs_socket.clone(),
@@ -1137,6 +1144,40 @@ mod tests {
         let err = QemuVm::start(cfg).unwrap_err().to_string();
         assert!(err.contains("/nonexistent/virtiofsd"), "{err}");
         assert!(!dir.join("w").exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_virtiofsd_refusing_our_options_fails_naming_the_rust_one_and_cleans_up() {
+        let dir = temp_dir("old-virtiofsd");
+        let mut cfg = cfg_in(&dir);
+        let fake = dir.join("fake-backend");
+        fs::write(&fake, "#!/bin/sh\ntouch \"$2\"\nexec sleep 30\n").unwrap();
+        fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        cfg.vhost_vsock_binary = fake;
+        let share = dir.join("share");
+        fs::create_dir(&share).unwrap();
+        cfg.shared_fs = Some(QemuSharedFs {
+            tag: "t".into(),
+            host_dir: share,
+        });
+        // What QEMU 7.2's C virtiofsd answers to `--shared-dir <dir>`.
+        let old = dir.join("virtiofsd");
+        fs::write(
+            &old,
+            "#!/bin/sh\necho \"fuse: invalid argument \\`$2'\" >&2\nexit 1\n",
+        )
+        .unwrap();
+        fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        cfg.virtiofsd_binary = old;
+        let err = QemuVm::start(cfg).unwrap_err().to_string();
+        assert!(
+            err.contains("Rust virtiofsd")
+                && err.contains("scripts/install-virtiofsd.sh")
+                && err.contains("fuse: invalid argument"),
+            "{err}"
+        );
+        assert!(!dir.join("w").exists(), "the work dir is left");
         let _ = fs::remove_dir_all(&dir);
     }
 
