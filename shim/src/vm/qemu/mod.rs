@@ -252,12 +252,12 @@ pub fn default_virtiofsd_binary() -> PathBuf {
 
 /// The Rust virtiofsd's command line for `source` on `socket` (docs/qemu-backend.md has each
 /// option against the C virtiofsd's it replaces):
-/// - `--sandbox chroot`: it serves from the host's mount namespace, so the mounts the shim makes
+/// - `--sandbox=chroot`: it serves from the host's mount namespace, so the mounts the shim makes
 ///   under the directory later (container rootfs, volumes) are seen, and their unmounts too.
-///   `--sandbox namespace` serves from a private copy of the mount namespace, which sees later
+///   `--sandbox=namespace` serves from a private copy of the mount namespace, which sees later
 ///   mounts only through mount propagation (none on hosts whose `/` is private) and would keep
 ///   unmounted container mounts alive; it also needs `sys_admin` at its start.
-/// - `--seccomp kill`: a system call outside its filter kills the process (its default, made
+/// - `--seccomp=kill`: a system call outside its filter kills the process (its default, made
 ///   explicit). The filter and the capability drop come before its first thread.
 /// - `--inode-file-handles=never`: file handles would add `dac_read_search` to the kept
 ///   capabilities, and with it `open_by_handle_at`, which opens any inode of the share's file
@@ -267,9 +267,9 @@ pub fn default_virtiofsd_binary() -> PathBuf {
 ///   `security.capability` included.
 /// - `--no-announce-submounts`: the guest sees the share as one file system, as before (its
 ///   kernel makes no automount per host mount point).
-/// - `--rlimit-nofile 0`: the limit the shim set is kept (its capability bounding set has no
+/// - `--rlimit-nofile=0`: the limit the shim set is kept (its capability bounding set has no
 ///   `CAP_SYS_RESOURCE`).
-/// - `--cache auto`, `--log-level warn`.
+/// - `--cache=auto`, `--log-level=warn`.
 ///
 /// What it cannot refuse: `chmod u+s`/`g+s` and set-ID modes at creation (docs/qemu-backend.md).
 pub fn virtiofsd_args(socket: &Path, source: &Path) -> Vec<std::ffi::OsString> {
