@@ -1,6 +1,6 @@
 # microvm: the two commands a new user runs are `make demo` and `make test` (README.md).
 # Everything else is a step they depend on. Artifacts land in build/ (git-ignored); the kernel
-# build and vhost-device-vsock are cached outside the repo in $(MICROVM_CACHE).
+# build, vhost-device-vsock and virtiofsd are cached outside the repo in $(MICROVM_CACHE).
 
 MICROVM_CACHE ?= /var/cache/microvm
 export MICROVM_CACHE

@@ -11,9 +11,11 @@ stage() {
   local ctx=$1
   mkdir -p "$ctx/bin"
   vhost=$("$repo/scripts/install-vhost-device-vsock.sh")
+  virtiofsd=$("$repo/scripts/install-virtiofsd.sh")
   bin=${MICROVM_BIN_DIR:-$repo/target/release}
   cp "$bin/containerd-shim-microvm-v1" "$bin/microvm" "$ctx/bin/"
   cp "$vhost" "$ctx/bin/vhost-device-vsock"
+  cp "$virtiofsd" "$ctx/bin/virtiofsd"
   cp -L "$repo/build/vmlinux" "$repo/build/initrd.cpio" "$ctx/bin/"
   cp "$repo/deploy/Dockerfile" "$repo/deploy/node-install.sh" "$ctx/"
 }

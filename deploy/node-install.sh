@@ -55,7 +55,7 @@ log "staging the artifacts in $staging on the node"
 rm -rf "$host$staging"
 mkdir -p "$host$staging"
 cp -a "$here/bin/." "$host$staging/"
-on_node env MICROVM_VHOST_VSOCK="$staging/vhost-device-vsock" \
+on_node env MICROVM_VHOST_VSOCK="$staging/vhost-device-vsock" MICROVM_VIRTIOFSD="$staging/virtiofsd" \
   "$staging/microvm" install --prefix "$prefix" $tcg_flag \
   --kernel "$staging/vmlinux" --initrd "$staging/initrd.cpio"
 restart_containerd

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing microvm needs on a Debian 12 machine, and nothing twice:
 # Debian packages (only the missing ones; `apt-get update` only when something is missing),
-# then vhost-device-vsock (for the QEMU backend) into the cache outside the repo.
+# then vhost-device-vsock and virtiofsd (for the QEMU backend) into the cache outside the repo.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
@@ -14,6 +14,7 @@ packages=(
   busybox-static                  # test images
   protobuf-compiler               # k8s-cri client code generation (tests)
   libseccomp-dev zlib1g-dev       # the guest agent's static link (seccomp; libbpf's libelf and zlib)
+  libcap-ng-dev                   # virtiofsd's build (with libseccomp-dev)
   jq procps iproute2 util-linux   # scripts and leak checks
   kmod                            # the nested lane's L1 image (scripts/lane/build-l1.sh)
 )
@@ -41,5 +42,15 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 1
 fi
 
-"$here/install-vhost-device-vsock.sh" >/dev/null
+# The two cargo builds run side by side (about 2 minutes each on two busy cores when cold; together
+# about as long as one after the other there, shorter on wider machines); each skips at once when
+# its binary is in the cache.
+"$here/install-vhost-device-vsock.sh" >/dev/null &
+vsock=$!
+"$here/install-virtiofsd.sh" >/dev/null &
+virtiofsd=$!
+failed=0
+wait "$vsock" || { echo "install-deps: installing vhost-device-vsock failed" >&2; failed=1; }
+wait "$virtiofsd" || { echo "install-deps: installing virtiofsd failed" >&2; failed=1; }
+[ "$failed" -eq 0 ] || exit 1
 echo "install-deps: ok" >&2

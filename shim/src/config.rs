@@ -183,6 +183,9 @@ pub struct QemuSettings {
     pub binary: PathBuf,
     /// The vhost-device-vsock binary.
     pub vhost_vsock_binary: PathBuf,
+    /// The Rust virtiofsd binary (scripts/install-virtiofsd.sh); QEMU 7.2's C virtiofsd is not
+    /// supported.
+    pub virtiofsd_binary: PathBuf,
     /// The first id of the uid/gid range the QEMU backend's guest-facing processes (QEMU,
     /// vhost-device-vsock) run as: each pod's are `jail_id_base + its shim's pid`, a range of
     /// `vm::qemu::JAIL_ID_RANGE` ids that need no passwd entry and that nothing else on the
@@ -195,6 +198,7 @@ impl Default for QemuSettings {
         QemuSettings {
             binary: PathBuf::from(crate::vm::qemu::DEFAULT_QEMU),
             vhost_vsock_binary: crate::vm::qemu::default_vhost_vsock_binary(),
+            virtiofsd_binary: crate::vm::qemu::default_virtiofsd_binary(),
             jail_id_base: crate::vm::qemu::DEFAULT_JAIL_ID_BASE,
         }
     }

@@ -1,15 +1,15 @@
 //! The QEMU backend's processes run confined (docs/security.md, docs/qemu-backend.md), checked on
 //! a running pod through CRI on a private containerd with `hypervisor = "qemu"` (on TCG here,
-//! allowed by the test config). Needs root, Debian's containerd, QEMU, virtiofsd and
-//! vhost-device-vsock, and `make kernel initrd`.
+//! allowed by the test config). Needs root, Debian's containerd, QEMU, the Rust virtiofsd and
+//! vhost-device-vsock (scripts/install-deps.sh), and `make kernel initrd`.
 //!
 //! For every thread of the pod's QEMU: seccomp filter mode (`Seccomp: 2`), `NoNewPrivs: 1`, no
 //! capability, the pod's jail id (`jail_id_base` + the shim's pid) as every uid and gid and its
 //! only group, and a root directory that is the VM's empty `qemu-root`. vhost-device-vsock: the
 //! jail id, no capability, `NoNewPrivs: 1`, and network, IPC and UTS namespaces of its own.
-//! virtiofsd (root: it serves the guest's files as their owners): its own seccomp filter,
-//! `NoNewPrivs: 1`, only the capabilities it keeps, its root the pod's shared folder, and its
-//! own network, IPC and UTS namespaces.
+//! virtiofsd (root: it serves the guest's files as their owners): every thread under its own
+//! seccomp filter with `NoNewPrivs: 1` and no capability but the five it keeps (no `sys_chroot`
+//! in any set), its root the pod's shared folder, and its own network, IPC and UTS namespaces.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -121,37 +121,47 @@ async fn qemu_backend_runs_qemu_and_its_helpers_confined() {
         );
     }
 
-    // virtiofsd: root, but filtered, with the capabilities it keeps, in the share. The thread
-    // it has before it loads its filter (QEMU's RCU thread of its utility library) stays
-    // unfiltered: it holds no more than the bounding set the shim gave (docs/security.md).
+    // virtiofsd: root, but every thread filtered and holding only the capabilities it keeps to
+    // serve files as their owners, in the share. No thread may hold `sys_chroot` (it could leave
+    // the chroot), nor anything past the kept five: with the Rust virtiofsd the filter and the
+    // capability drop come before its first thread.
     let virtiofsd = pod_process(&state, "virtiofsd");
-    // CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_SETGID, CAP_SETUID.
-    let kept: u64 = (1 << 0) | (1 << 1) | (1 << 3) | (1 << 6) | (1 << 7);
-    // And CAP_SETPCAP, CAP_SYS_CHROOT, used at its start.
-    let bounding: u64 = kept | (1 << 8) | (1 << 18);
-    let mut filtered = 0;
-    for (tid, s) in thread_statuses(virtiofsd) {
+    let kept = shim::vm::qemu::VIRTIOFSD_KEPT_CAPS;
+    // CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_SETGID, CAP_SETUID: written out, so that a
+    // wider constant in the shim fails here.
+    assert_eq!(kept, (1 << 0) | (1 << 1) | (1 << 3) | (1 << 6) | (1 << 7));
+    const CAP_SYS_CHROOT: u64 = 1 << 18;
+    let virtiofsd_threads = thread_statuses(virtiofsd);
+    for (tid, s) in &virtiofsd_threads {
         let line = format!(
-            "virtiofsd thread {tid}: Seccomp {} NoNewPrivs {} CapEff {} CapBnd {}",
-            field(&s, "Seccomp"),
-            field(&s, "NoNewPrivs"),
-            field(&s, "CapEff"),
-            field(&s, "CapBnd")
+            "virtiofsd thread {tid}: Seccomp {} NoNewPrivs {} CapEff {} CapPrm {} CapInh {} CapBnd {} CapAmb {}",
+            field(s, "Seccomp"),
+            field(s, "NoNewPrivs"),
+            field(s, "CapEff"),
+            field(s, "CapPrm"),
+            field(s, "CapInh"),
+            field(s, "CapBnd"),
+            field(s, "CapAmb"),
         );
         eprintln!("{line}");
-        assert_eq!(field(&s, "NoNewPrivs"), "1", "{line}");
-        // Within the shim's bounding set (virtiofsd empties it further on its own threads).
-        let bnd = u64::from_str_radix(field(&s, "CapBnd"), 16).unwrap();
-        assert_eq!(bnd & !bounding, 0, "{line}");
-        let eff = u64::from_str_radix(field(&s, "CapEff"), 16).unwrap();
-        if field(&s, "Seccomp") == "2" {
-            filtered += 1;
-            assert_eq!(eff & !kept, 0, "{line}");
-        } else {
-            assert_eq!(eff & !bounding, 0, "{line}");
+        assert_eq!(field(s, "Seccomp"), "2", "{line}");
+        assert_eq!(field(s, "NoNewPrivs"), "1", "{line}");
+        for set in ["CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"] {
+            let caps = u64::from_str_radix(field(s, set), 16).unwrap();
+            assert_eq!(caps & !kept, 0, "{set} beyond the kept five: {line}");
+            assert_eq!(caps & CAP_SYS_CHROOT, 0, "{set} holds sys_chroot: {line}");
+        }
+        // It serves files as their owners: the main thread holds the kept five (a serving
+        // thread drops them from its effective set while it acts as a guest user).
+        if *tid == virtiofsd.to_string() {
+            let eff = u64::from_str_radix(field(s, "CapEff"), 16).unwrap();
+            assert_eq!(eff, kept, "{line}");
         }
     }
-    assert!(filtered >= 2, "virtiofsd's serving threads are filtered");
+    assert!(
+        virtiofsd_threads.len() >= 2,
+        "virtiofsd serves the guest's queues from threads of its own: {virtiofsd_threads:?}"
+    );
     // Its file limit: at most 1000000, soft and hard alike.
     let limits = std::fs::read_to_string(format!("/proc/{virtiofsd}/limits")).unwrap();
     let files: Vec<u64> = limits

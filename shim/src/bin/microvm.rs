@@ -223,6 +223,7 @@ fn install(
         kernel,
         initrd: initrd.unwrap_or_else(artifacts::default_initrd),
         vhost_vsock: shim::vm::qemu::default_vhost_vsock_binary(),
+        virtiofsd: shim::vm::qemu::default_virtiofsd_binary(),
         qemu: PathBuf::from(shim::vm::qemu::DEFAULT_QEMU),
         dry_run,
         allow_software_emulation,

@@ -2,10 +2,10 @@
 //!
 //! Install runs check-host first: its verdict picks the backend written into the installed
 //! config (the embedded VMM where the guest kernel boots under this host's KVM, else the QEMU
-//! backend, which then needs QEMU and vhost-device-vsock), and a host that can run neither is
+//! backend, which then needs QEMU, vhost-device-vsock and virtiofsd), and a host that can run neither is
 //! refused before anything changes. Then, in order:
 //!
-//! 1. the shim, the `microvm` tool (and vhost-device-vsock for the QEMU backend) into
+//! 1. the shim, the `microvm` tool (and vhost-device-vsock and virtiofsd for the QEMU backend) into
 //!    `<prefix>/bin`, the guest kernel and initrd into `<prefix>/share`;
 //! 2. `<prefix>/etc/config.toml`, only if there is none (an operator's edits are kept);
 //! 3. a link `containerd-shim-microvm-v1` in a folder on containerd's PATH (`/usr/local/bin`);
@@ -54,6 +54,8 @@ pub struct InstallOptions {
     pub initrd: PathBuf,
     /// vhost-device-vsock, installed when the QEMU backend is chosen.
     pub vhost_vsock: PathBuf,
+    /// The Rust virtiofsd, installed when the QEMU backend is chosen.
+    pub virtiofsd: PathBuf,
     /// The QEMU binary the QEMU backend runs (checked, not installed: Debian's package).
     pub qemu: PathBuf,
     /// Print what would change (with the config diff) and change nothing.
@@ -167,6 +169,12 @@ fn choose(
             opts.vhost_vsock.display()
         ));
     }
+    if !opts.virtiofsd.is_file() {
+        missing.push(format!(
+            "virtiofsd ({} not found: scripts/install-virtiofsd.sh)",
+            opts.virtiofsd.display()
+        ));
+    }
     if !missing.is_empty() {
         return Err(InstallError::HostCannotRun(format!(
             "the embedded VMM cannot boot the guest here ({why_not_kvm}) and the QEMU backend lacks {}",
@@ -192,7 +200,7 @@ fn config_text(
     why: &str,
     kernel: &Path,
     initrd: &Path,
-    vhost_vsock: Option<&Path>,
+    qemu_helpers: Option<(&Path, &Path)>,
 ) -> String {
     let name = match hypervisor {
         Hypervisor::Kvm => "kvm",
@@ -214,10 +222,11 @@ fn config_text(
              (docs/qemu-backend.md).\nallow_software_emulation = true\n",
         );
     }
-    if let Some(v) = vhost_vsock {
+    if let Some((vsock, virtiofsd)) = qemu_helpers {
         text.push_str(&format!(
-            "\n[qemu]\nvhost_vsock_binary = {}\n",
-            toml_string(v)
+            "\n[qemu]\nvhost_vsock_binary = {}\nvirtiofsd_binary = {}\n",
+            toml_string(vsock),
+            toml_string(virtiofsd)
         ));
     }
     text
@@ -244,11 +253,16 @@ pub fn install(opts: &InstallOptions, report: &HostReport) -> Result<InstallRepo
             to: bin.join(name),
         });
     }
-    let installed_vhost = (hypervisor == Hypervisor::Qemu).then(|| bin.join("vhost-device-vsock"));
-    if let Some(to) = &installed_vhost {
+    let installed_helpers = (hypervisor == Hypervisor::Qemu)
+        .then(|| (bin.join("vhost-device-vsock"), bin.join("virtiofsd")));
+    if let Some((vsock, virtiofsd)) = &installed_helpers {
         steps.push(Step::Copy {
             from: opts.vhost_vsock.clone(),
-            to: to.clone(),
+            to: vsock.clone(),
+        });
+        steps.push(Step::Copy {
+            from: opts.virtiofsd.clone(),
+            to: virtiofsd.clone(),
         });
     }
     let kernel = share.join("vmlinux");
@@ -274,7 +288,9 @@ pub fn install(opts: &InstallOptions, report: &HostReport) -> Result<InstallRepo
             &why,
             &kernel,
             &initrd,
-            installed_vhost.as_deref(),
+            installed_helpers
+                .as_ref()
+                .map(|(vsock, virtiofsd)| (vsock.as_path(), virtiofsd.as_path())),
         );
         Config::parse(&text).map_err(|e| InstallError::Record {
             path: config_path.clone(),

@@ -270,6 +270,7 @@ impl Sandbox {
         guest.qemu = QemuPrograms {
             qemu: config.qemu.binary.clone(),
             vhost_vsock: config.qemu.vhost_vsock_binary.clone(),
+            virtiofsd: config.qemu.virtiofsd_binary.clone(),
             accel: choice.qemu_accel.unwrap_or(Accel::Kvm),
             // Checked by Config::validate.
             jail_id: crate::vm::qemu::jail_id(config.qemu.jail_id_base).unwrap_or(u32::MAX),

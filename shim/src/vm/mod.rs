@@ -135,6 +135,8 @@ pub struct QemuPrograms {
     pub qemu: PathBuf,
     /// `vhost-device-vsock`.
     pub vhost_vsock: PathBuf,
+    /// The Rust `virtiofsd`.
+    pub virtiofsd: PathBuf,
     /// QEMU's accelerator, as `host_check::choose_backend` decided it (the default
     /// [`Accel::Kvm`]: software emulation is chosen only there).
     pub accel: Accel,
@@ -152,6 +154,7 @@ impl Default for QemuPrograms {
         QemuPrograms {
             qemu: PathBuf::from(qemu::DEFAULT_QEMU),
             vhost_vsock: qemu::default_vhost_vsock_binary(),
+            virtiofsd: qemu::default_virtiofsd_binary(),
             accel: Accel::Kvm,
             jail_id: qemu::jail_id(qemu::DEFAULT_JAIL_ID_BASE)
                 .expect("the default jail id range fits"),
@@ -723,6 +726,7 @@ impl GuestVm {
             &spec.work_dir,
         );
         cfg.qemu_binary = spec.qemu.qemu.clone();
+        cfg.virtiofsd_binary = spec.qemu.virtiofsd.clone();
         cfg.vcpus = u32::from(spec.vcpus);
         cfg.memory_mib = memory_mib;
         cfg.guest_cid = GUEST_CID;

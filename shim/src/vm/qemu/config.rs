@@ -42,7 +42,9 @@ pub struct QemuConfig {
     pub start_timeout: Duration,
     /// A host directory exported to the guest over virtio-fs (served by `virtiofsd`).
     pub shared_fs: Option<QemuSharedFs>,
-    /// The virtiofsd binary (default: Debian QEMU's `/usr/lib/qemu/virtiofsd`).
+    /// The Rust virtiofsd binary (default [`super::default_virtiofsd_binary`]:
+    /// scripts/install-virtiofsd.sh installs it). QEMU 7.2's C virtiofsd takes other options
+    /// and is not supported.
     pub virtiofsd_binary: PathBuf,
     /// Network cards, in order (eth0 first).
     pub nics: Vec<QemuNic>,
@@ -114,9 +116,6 @@ pub struct QemuSharedFs {
     pub host_dir: PathBuf,
 }
 
-/// Where Debian's qemu-system-x86 package puts virtiofsd.
-pub const DEFAULT_VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
-
 impl QemuConfig {
     /// A config with the defaults: 1 vCPU, 256 MiB, CID 3, [`Accel::Auto`].
     #[expect(
@@ -147,7 +146,7 @@ impl QemuConfig {
             nics: Vec::new(),
             disks: Vec::new(),
             free_page_reporting: false,
-            virtiofsd_binary: PathBuf::from(DEFAULT_VIRTIOFSD),
+            virtiofsd_binary: super::default_virtiofsd_binary(),
             jail_id: super::jail_id(super::DEFAULT_JAIL_ID_BASE)
                 .expect("the default jail id range fits"),
             init_binary: PathBuf::from(super::init::DEFAULT_BINARY),

@@ -32,8 +32,8 @@ mod process;
 pub use cmdline::host_tsc_khz;
 use cmdline::{kernel_cmdline, qemu_args};
 pub use config::{
-    disk_fd, QemuConfig, QemuDisk, QemuNic, QemuSharedFs, CONSOLE_FD, DEFAULT_VIRTIOFSD, MAX_DISKS,
-    MAX_NICS, NIC_FD_BASE,
+    disk_fd, QemuConfig, QemuDisk, QemuNic, QemuSharedFs, CONSOLE_FD, MAX_DISKS, MAX_NICS,
+    NIC_FD_BASE,
 };
 use init::{PodInit, PodInitError};
 use process::{
@@ -105,11 +105,7 @@ pub fn default_vhost_vsock_binary() -> PathBuf {
     if let Some(p) = std::env::var_os("MICROVM_VHOST_VSOCK").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
-    let cache = std::env::var_os("MICROVM_CACHE")
-        .filter(|p| !p.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/microvm"));
-    cache
+    cache_dir()
         .join(format!("vhost-device-vsock-{VHOST_DEVICE_VSOCK_VERSION}"))
         .join("bin/vhost-device-vsock")
 }
@@ -155,6 +151,13 @@ pub enum QemuError {
     Spawn { binary: PathBuf, source: io::Error },
     #[error("{binary} exited ({status}) before creating its socket {socket}; its stderr ends with:\n{stderr}")]
     BackendExited {
+        binary: PathBuf,
+        status: ExitStatus,
+        socket: PathBuf,
+        stderr: String,
+    },
+    #[error("{binary} exited ({status}) before creating its socket {socket} (the QEMU backend runs the Rust virtiofsd, scripts/install-virtiofsd.sh; QEMU 7.2's C virtiofsd takes other options and is not supported); its stderr ends with:\n{stderr}")]
+    VirtiofsdExited {
         binary: PathBuf,
         status: ExitStatus,
         socket: PathBuf,
@@ -210,45 +213,87 @@ pub enum QemuError {
     },
 }
 
-/// Capabilities virtiofsd gives up (its `-o modcaps`, applied to all its threads that serve the
-/// guest): no device nodes but the 0:0 overlay whiteout (`mknod`), no file capabilities
-/// (`setfcap`), and set-ID bits cleared on every write and truncate (`fsetid`). It keeps
-/// `chown`, `dac_override`, `fowner`, `setgid` and `setuid`, which serving guest root needs.
+/// Capabilities virtiofsd gives up (`--modcaps`): of its default set (`chown`, `dac_override`,
+/// `fowner`, `fsetid`, `setgid`, `setuid`, `mknod`, `setfcap`) no device nodes but the 0:0
+/// overlay whiteout (`mknod`), no file capabilities (`setfcap`), and set-ID bits cleared on every
+/// write and truncate (`fsetid`). It keeps `chown`, `dac_override`, `fowner`, `setgid` and
+/// `setuid`, which serving guest root's files as their owners needs ([`VIRTIOFSD_KEPT_CAPS`]).
 pub const VIRTIOFSD_MODCAPS: &str = "-mknod:-setfcap:-fsetid";
 
-/// virtiofsd's command line (Debian's C virtiofsd of QEMU 7.2) for `source` on `socket`.
-/// - `sandbox=chroot`: it serves from the host's mount namespace, so the mounts the shim makes
+/// The capabilities virtiofsd's every thread holds once it serves (bit n: capability n of
+/// linux/capability.h): `chown`, `dac_override`, `fowner`, `setgid`, `setuid`.
+pub const VIRTIOFSD_KEPT_CAPS: u64 = (1 << 0) | (1 << 1) | (1 << 3) | (1 << 6) | (1 << 7);
+
+/// The virtiofsd version scripts/install-virtiofsd.sh installs: the Rust virtiofsd (crates.io
+/// `virtiofsd`), which loads its seccomp filter and drops its capabilities before it starts any
+/// thread. QEMU 7.2's C virtiofsd (`/usr/lib/qemu/virtiofsd`) is no longer supported: it starts
+/// a thread before its filter that keeps every capability it began with (docs/security.md).
+pub const VIRTIOFSD_VERSION: &str = "1.14.0";
+
+/// The cache scripts/install-*.sh install into: `MICROVM_CACHE` if set, else
+/// `/var/cache/microvm`.
+fn cache_dir() -> PathBuf {
+    std::env::var_os("MICROVM_CACHE")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/microvm"))
+}
+
+/// Where scripts/install-virtiofsd.sh puts the binary: `MICROVM_VIRTIOFSD` if set, else
+/// `${MICROVM_CACHE:-/var/cache/microvm}/virtiofsd-1.14.0/bin/virtiofsd`.
+pub fn default_virtiofsd_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("MICROVM_VIRTIOFSD").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    cache_dir()
+        .join(format!("virtiofsd-{VIRTIOFSD_VERSION}"))
+        .join("bin/virtiofsd")
+}
+
+/// The Rust virtiofsd's command line for `source` on `socket` (docs/qemu-backend.md has each
+/// option against the C virtiofsd's it replaces):
+/// - `--sandbox=chroot`: it serves from the host's mount namespace, so the mounts the shim makes
 ///   under the directory later (container rootfs, volumes) are seen, and their unmounts too.
-///   `sandbox=namespace` would serve from a private copy of the mount namespace, which sees
-///   later mounts only through mount propagation (none on hosts whose `/` is private) and
-///   would keep unmounted container mounts alive.
-/// - `modcaps`: [`VIRTIOFSD_MODCAPS`].
-/// - `no_xattr` (its default, made explicit): every SETXATTR is refused, `security.capability`
-///   included. An `xattrmap` would turn xattrs on.
+///   `--sandbox=namespace` serves from a private copy of the mount namespace, which sees later
+///   mounts only through mount propagation (none on hosts whose `/` is private) and would keep
+///   unmounted container mounts alive; it also needs `sys_admin` at its start.
+/// - `--seccomp=kill`: a system call outside its filter kills the process (its default, made
+///   explicit). The filter and the capability drop come before its first thread.
+/// - `--inode-file-handles=never`: file handles would add `dac_read_search` to the kept
+///   capabilities, and with it `open_by_handle_at`, which opens any inode of the share's file
+///   systems whatever the chroot.
+/// - `--modcaps`: [`VIRTIOFSD_MODCAPS`].
+/// - no `--xattr`, `--posix-acl`, `--security-label` or `--xattrmap`: every SETXATTR is refused,
+///   `security.capability` included.
+/// - `--no-announce-submounts`: the guest sees the share as one file system, as before (its
+///   kernel makes no automount per host mount point).
 /// - `--rlimit-nofile=0`: the limit the shim set is kept (its capability bounding set has no
 ///   `CAP_SYS_RESOURCE`).
+/// - `--cache=auto`, `--log-level=warn`.
 ///
 /// What it cannot refuse: `chmod u+s`/`g+s` and set-ID modes at creation (docs/qemu-backend.md).
 pub fn virtiofsd_args(socket: &Path, source: &Path) -> Vec<std::ffi::OsString> {
-    let mut socket_arg = std::ffi::OsString::from("--socket-path=");
-    socket_arg.push(socket);
-    let mut source_arg = std::ffi::OsString::from("source=");
-    source_arg.push(source);
-    let mut args = vec![socket_arg, "-o".into(), source_arg];
-    let modcaps = format!("modcaps={VIRTIOFSD_MODCAPS}");
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "--shared-dir".into(),
+        source.into(),
+        "--socket-path".into(),
+        socket.into(),
+    ];
+    let modcaps = format!("--modcaps={VIRTIOFSD_MODCAPS}");
     for opt in [
-        "cache=auto",
-        "sandbox=chroot",
-        "no_xattr",
+        "--sandbox=chroot",
+        "--seccomp=kill",
+        "--inode-file-handles=never",
         modcaps.as_str(),
-        "log_level=warn",
+        "--no-announce-submounts",
+        "--cache=auto",
+        // The shim sets its file limit (process.rs VIRTIOFSD_MAX_FILES): raising it would need
+        // a capability it does not get.
+        "--rlimit-nofile=0",
+        "--log-level=warn",
     ] {
-        args.push("-o".into());
         args.push(opt.into());
     }
-    // The shim sets its file limit (process.rs VIRTIOFSD_MAX_FILES): raising it would need a
-    // capability it does not get.
-    args.push("--rlimit-nofile=0".into());
     args
 }
 
@@ -393,7 +438,7 @@ impl QemuVm {
             };
             if let Some(status) = exited {
                 self.virtiofsd = None;
-                return Err(QemuError::BackendExited {
+                return Err(QemuError::VirtiofsdExited {
                     binary: self.virtiofsd_binary.clone(),
                     status,
                     socket: self.paths.virtiofs_socket.clone(),
@@ -1033,28 +1078,45 @@ mod tests {
             .into_iter()
             .map(|a| a.into_string().unwrap())
             .collect();
-        assert_eq!(args[0], "--socket-path=/w/fs.sock");
-        assert_eq!(args.last().unwrap(), "--rlimit-nofile=0", "{args:?}");
-        // Every option is its own `-o <opt>` pair.
-        let opts: Vec<&str> = args[1..args.len() - 1]
-            .chunks(2)
-            .map(|pair| {
-                assert_eq!(pair[0], "-o", "{args:?}");
-                pair[1].as_str()
-            })
-            .collect();
         assert_eq!(
-            opts,
+            args,
             [
-                "source=/r/shared",
-                "cache=auto",
-                "sandbox=chroot",
-                "no_xattr",
-                "modcaps=-mknod:-setfcap:-fsetid",
-                "log_level=warn",
+                "--shared-dir",
+                "/r/shared",
+                "--socket-path",
+                "/w/fs.sock",
+                "--sandbox=chroot",
+                "--seccomp=kill",
+                "--inode-file-handles=never",
+                "--modcaps=-mknod:-setfcap:-fsetid",
+                "--no-announce-submounts",
+                "--cache=auto",
+                "--rlimit-nofile=0",
+                "--log-level=warn",
             ]
         );
-        assert!(!opts.iter().any(|o| o.starts_with("xattrmap")));
+        // Nothing that turns xattrs on, and none of the C virtiofsd's `-o` options.
+        for a in &args {
+            assert!(
+                ![
+                    "--xattr",
+                    "--xattrmap",
+                    "--posix-acl",
+                    "--security-label",
+                    "-o"
+                ]
+                .iter()
+                .any(|bad| a.starts_with(bad)),
+                "{a}"
+            );
+        }
+        // The kept set is what the default set less the modcaps leaves, and it and the start-up
+        // capabilities are all the shim's bounding set holds.
+        assert_eq!(
+            process::VIRTIOFSD_BOUNDING & !VIRTIOFSD_KEPT_CAPS,
+            (1 << 8) | (1 << 18),
+            "setpcap and sys_chroot"
+        );
     }
 
     #[test]
@@ -1074,6 +1136,40 @@ mod tests {
         let err = QemuVm::start(cfg).unwrap_err().to_string();
         assert!(err.contains("/nonexistent/virtiofsd"), "{err}");
         assert!(!dir.join("w").exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_virtiofsd_refusing_our_options_fails_naming_the_rust_one_and_cleans_up() {
+        let dir = temp_dir("old-virtiofsd");
+        let mut cfg = cfg_in(&dir);
+        let fake = dir.join("fake-backend");
+        fs::write(&fake, "#!/bin/sh\ntouch \"$2\"\nexec sleep 30\n").unwrap();
+        fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        cfg.vhost_vsock_binary = fake;
+        let share = dir.join("share");
+        fs::create_dir(&share).unwrap();
+        cfg.shared_fs = Some(QemuSharedFs {
+            tag: "t".into(),
+            host_dir: share,
+        });
+        // What QEMU 7.2's C virtiofsd answers to `--shared-dir <dir>`.
+        let old = dir.join("virtiofsd");
+        fs::write(
+            &old,
+            "#!/bin/sh\necho \"fuse: invalid argument \\`$2'\" >&2\nexit 1\n",
+        )
+        .unwrap();
+        fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        cfg.virtiofsd_binary = old;
+        let err = QemuVm::start(cfg).unwrap_err().to_string();
+        assert!(
+            err.contains("Rust virtiofsd")
+                && err.contains("scripts/install-virtiofsd.sh")
+                && err.contains("fuse: invalid argument"),
+            "{err}"
+        );
+        assert!(!dir.join("w").exists(), "the work dir is left");
         let _ = fs::remove_dir_all(&dir);
     }
 

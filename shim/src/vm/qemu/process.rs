@@ -34,6 +34,8 @@ pub(super) struct VmPaths {
     pub(super) vsock_uds: PathBuf,
     /// vhost-user socket between QEMU and virtiofsd.
     pub(super) virtiofs_socket: PathBuf,
+    /// The pid file virtiofsd writes (and locks) beside its socket.
+    pub(super) virtiofsd_pid_file: PathBuf,
     pub(super) qemu_stderr: PathBuf,
     pub(super) backend_stderr: PathBuf,
     pub(super) virtiofsd_stderr: PathBuf,
@@ -64,6 +66,7 @@ impl VmPaths {
             vhost_socket: vsock_dir.join("vhost-user.sock"),
             vsock_uds,
             virtiofs_socket: cfg.work_dir.join("virtiofsd.sock"),
+            virtiofsd_pid_file: cfg.work_dir.join("virtiofsd.sock.pid"),
             qemu_stderr: cfg.work_dir.join("qemu.stderr"),
             backend_stderr: cfg.work_dir.join("vhost-device-vsock.stderr"),
             virtiofsd_stderr: cfg.work_dir.join("virtiofsd.stderr"),
@@ -96,6 +99,7 @@ impl VmPaths {
             &paths.vhost_socket,
             &paths.vsock_uds,
             &paths.virtiofs_socket,
+            &paths.virtiofsd_pid_file,
         ] {
             let _ = fs::remove_file(stale);
         }
@@ -195,6 +199,7 @@ impl VmPaths {
             &self.vhost_socket,
             &self.vsock_uds,
             &self.virtiofs_socket,
+            &self.virtiofsd_pid_file,
             &self.qemu_stderr,
             &self.backend_stderr,
             &self.virtiofsd_stderr,
@@ -379,10 +384,11 @@ pub(super) enum HelperIds {
 }
 
 /// The capabilities virtiofsd may ever hold: what it keeps to serve the guest's files
-/// (`chown`, `dac_override`, `fowner`, `setgid`, `setuid`: [`super::VIRTIOFSD_MODCAPS`]) and
-/// what it uses once at its start (`sys_chroot` for `sandbox=chroot`, `setpcap` for applying
-/// its capability sets). Its threads made before it loads its seccomp filter and drops its
-/// capabilities keep these (docs/security.md).
+/// ([`super::VIRTIOFSD_KEPT_CAPS`]) and what it uses once at its start, before it has a thread
+/// besides its main one or reads anything of the guest's (`sys_chroot` for `--sandbox chroot`,
+/// `setpcap` for emptying its bounding set as it drops the rest). Nothing else is there to
+/// keep: no `dac_read_search` (`--inode-file-handles=never`), no `sys_admin` (no
+/// `--sandbox namespace`), no `sys_resource` (the shim sets its file limit).
 pub(super) const VIRTIOFSD_BOUNDING: u64 = {
     // linux/capability.h
     const CHOWN: u32 = 0;
