@@ -202,7 +202,7 @@ report_left() {
   fi
 }
 report_left "processes" "no VM processes left behind" \
-  "$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|microvm-agent|containerd-shim|containerd --config /tmp/microvm-ctrd' || true)"
+  "$(pgrep -a -f 'qemu-system-x86_64|vhost-device-vsock|virtiofsd|microvm-agent|containerd-shim|containerd --config /tmp/microvm-ctrd' || true)"
 # What a pod holds on the host beyond its processes: its state directory (/run/microvm/<pod>),
 # mounts under it, and its shim's socket (one nobody listens on any more).
 left_state=$(
