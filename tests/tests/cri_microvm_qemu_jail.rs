@@ -6,7 +6,9 @@
 //! For every thread of the pod's QEMU: seccomp filter mode (`Seccomp: 2`), `NoNewPrivs: 1`, no
 //! capability, the pod's jail id (`jail_id_base` + the shim's pid) as every uid and gid and its
 //! only group, and a root directory that is the VM's empty `qemu-root`. vhost-device-vsock: the
-//! jail id, no capability, `NoNewPrivs: 1`, and network, IPC and UTS namespaces of its own.
+//! jail id, no capability, `NoNewPrivs: 1`, every thread under its seccomp filter, network, IPC,
+//! UTS and mount namespaces of its own, and as its root the pod's vsock folder, which holds
+//! nothing but its sockets, the only mount of its namespace.
 //! virtiofsd (root: it serves the guest's files as their owners): every thread under its own
 //! seccomp filter with `NoNewPrivs: 1` and no capability but the five it keeps (no `sys_chroot`
 //! in any set), its root the pod's shared folder, and its own network, IPC and UTS namespaces.
@@ -100,9 +102,16 @@ async fn qemu_backend_runs_qemu_and_its_helpers_confined() {
     let cwd = std::fs::read_link(format!("/proc/{qemu}/cwd")).unwrap();
     assert_eq!(cwd, root, "QEMU's working directory is its root");
 
-    // vhost-device-vsock: the jail id from its start, no host network.
+    // vhost-device-vsock: the jail id from its start, filtered, no host network, rooted in
+    // its vsock folder.
     let vsock = pod_process(&state, "vhost-device-vsock");
-    for (tid, s) in thread_statuses(vsock) {
+    let vsock_threads = thread_statuses(vsock);
+    assert!(
+        vsock_threads.len() > 1,
+        "vhost-device-vsock serves from threads of its own: {vsock_threads:?}"
+    );
+    for (tid, s) in vsock_threads {
+        assert_eq!(field(&s, "Seccomp"), "2", "vhost-device-vsock thread {tid}");
         assert_eq!(
             field(&s, "Uid"),
             jail_ids,
@@ -119,6 +128,72 @@ async fn qemu_backend_runs_qemu_and_its_helpers_confined() {
             "1",
             "vhost-device-vsock thread {tid}"
         );
+    }
+
+    // Its root is its vsock folder (argv[0] names it: `<folder>/vhost-device-vsock`), made
+    // its root by pivot_root in a mount namespace of its own: the same inode, seen from inside
+    // as the root of its only mount, and holding only its sockets.
+    let cmdline = std::fs::read(format!("/proc/{vsock}/cmdline")).unwrap();
+    let argv0 = {
+        use std::os::unix::ffi::OsStrExt;
+        PathBuf::from(std::ffi::OsStr::from_bytes(
+            cmdline.split(|b| *b == 0).next().unwrap(),
+        ))
+    };
+    let vsock_dir = argv0.parent().unwrap().to_path_buf();
+    assert!(vsock_dir.starts_with(&state), "{}", vsock_dir.display());
+    let vsock_root = PathBuf::from(format!("/proc/{vsock}/root"));
+    let (inside, folder) = (
+        std::fs::metadata(&vsock_root).unwrap(),
+        std::fs::metadata(&vsock_dir).unwrap(),
+    );
+    assert_eq!(
+        (inside.dev(), inside.ino()),
+        (folder.dev(), folder.ino()),
+        "vhost-device-vsock's root is not its vsock folder {}",
+        vsock_dir.display()
+    );
+    let names: Vec<String> = std::fs::read_dir(&vsock_root)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            use std::os::unix::fs::FileTypeExt;
+            let name = e.file_name().to_string_lossy().into_owned();
+            assert!(
+                e.file_type().unwrap().is_socket(),
+                "{name} in vhost-device-vsock's root is not a socket"
+            );
+            name
+        })
+        .collect();
+    assert!(
+        // Its hybrid-vsock socket, the shim's `<uds>_<port>` listeners, and its vhost-user
+        // socket until QEMU has connected.
+        names.iter().any(|n| n == "vsock.sock")
+            && names
+                .iter()
+                .all(|n| n == "vhost-user.sock" || n.starts_with("vsock.sock")),
+        "vhost-device-vsock's root holds {names:?}"
+    );
+    assert_eq!(
+        std::fs::read_link(&vsock_root).unwrap(),
+        Path::new("/"),
+        "its root is the root of its mount namespace"
+    );
+    let mounts = std::fs::read_to_string(format!("/proc/{vsock}/mountinfo")).unwrap();
+    assert_eq!(
+        mounts.lines().count(),
+        1,
+        "vhost-device-vsock's namespace holds one mount:\n{mounts}"
+    );
+    assert_ne!(
+        ns(vsock, "mnt"),
+        ns(std::process::id() as i32, "mnt"),
+        "vhost-device-vsock is in the host's mount namespace"
+    );
+    let options = mounts.split_whitespace().nth(5).unwrap_or("");
+    for flag in ["nosuid", "nodev", "noexec"] {
+        assert!(options.split(',').any(|o| o == flag), "{flag}: {mounts}");
     }
 
     // virtiofsd: root, but every thread filtered and holding only the capabilities it keeps to

@@ -18,17 +18,20 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod backend_jail;
 mod cmdline;
 mod config;
 pub mod init;
 mod process;
 
+use backend_jail::BackendJail;
+pub use backend_jail::BackendJailError;
 pub use cmdline::host_tsc_khz;
 use cmdline::{kernel_cmdline, qemu_args};
 pub use config::{
@@ -38,7 +41,7 @@ pub use config::{
 use init::{PodInit, PodInitError};
 use process::{
     confine_helper, create_file, kill_and_reap, pass_fds, spawn_tied_to_parent, tail_of_file,
-    terminate, ConsolePump, HelperIds, VmPaths,
+    terminate, tie_to_parent, ConsolePump, HelperIds, VmPaths,
 };
 /// Longest path a Unix socket address holds (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -99,14 +102,17 @@ pub const QEMU_SANDBOX: &str = "on,obsolete=deny,spawn=deny,resourcecontrol=deny
 /// The vhost-device-vsock version scripts/install-vhost-device-vsock.sh installs.
 pub const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
 
-/// Where scripts/install-vhost-device-vsock.sh puts the binary: `MICROVM_VHOST_VSOCK` if set,
-/// else `${MICROVM_CACHE:-/var/cache/microvm}/vhost-device-vsock-0.3.0/bin/vhost-device-vsock`.
+/// Where scripts/install-vhost-device-vsock.sh puts the binary (a static PIE: it runs with its
+/// vsock folder as its root, [`backend_jail`]): `MICROVM_VHOST_VSOCK` if set, else
+/// `${MICROVM_CACHE:-/var/cache/microvm}/vhost-device-vsock-0.3.0-static/bin/vhost-device-vsock`.
 pub fn default_vhost_vsock_binary() -> PathBuf {
     if let Some(p) = std::env::var_os("MICROVM_VHOST_VSOCK").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
     cache_dir()
-        .join(format!("vhost-device-vsock-{VHOST_DEVICE_VSOCK_VERSION}"))
+        .join(format!(
+            "vhost-device-vsock-{VHOST_DEVICE_VSOCK_VERSION}-static"
+        ))
         .join("bin/vhost-device-vsock")
 }
 
@@ -149,6 +155,14 @@ pub enum QemuError {
     SocketPathTooLong { path: PathBuf, len: usize },
     #[error("cannot start {binary}: {source}")]
     Spawn { binary: PathBuf, source: io::Error },
+    #[error(transparent)]
+    BackendJail(#[from] BackendJailError),
+    #[error("cannot start {binary} in its jail: {source}; its stderr ends with:\n{stderr}")]
+    BackendJailSpawn {
+        binary: PathBuf,
+        source: io::Error,
+        stderr: String,
+    },
     #[error("{binary} exited ({status}) before creating its socket {socket}; its stderr ends with:\n{stderr}")]
     BackendExited {
         binary: PathBuf,
@@ -347,29 +361,52 @@ impl QemuVm {
     }
 
     fn start_backend(&mut self, cfg: &QemuConfig) -> Result<(), QemuError> {
-        let stderr = create_file(&self.paths.backend_stderr)?;
-        let mut cmd = Command::new(&cfg.vhost_vsock_binary);
-        // Its paths relative to the vsock folder, its working directory (entered while still
-        // root): as the jail id it could not pass the shim's root-only folders above it.
-        // Its argv[0] names that folder, so that `ps` (and a search for the pod's processes by
-        // their command line) still tells which VM it serves.
+        // Its paths relative to the vsock folder, its root ([`backend_jail`]). Its argv[0]
+        // names that folder, so that `ps` (and a search for the pod's processes by their
+        // command line) still tells which VM it serves.
         let name = |p: &Path| p.file_name().map(PathBuf::from).unwrap_or_default();
-        cmd.arg0(self.paths.vsock_dir.join(name(&cfg.vhost_vsock_binary)))
-            .current_dir(&self.paths.vsock_dir)
-            .arg("--socket")
-            .arg(name(&self.paths.vhost_socket))
-            .arg("--uds-path")
-            .arg(name(&self.paths.vsock_uds))
-            .arg("--guest-cid")
-            .arg(cfg.guest_cid.to_string())
-            .stdin(Stdio::null())
+        let arg0 = self.paths.vsock_dir.join(name(&cfg.vhost_vsock_binary));
+        let (socket, uds) = (name(&self.paths.vhost_socket), name(&self.paths.vsock_uds));
+        let cid = cfg.guest_cid.to_string();
+        // The binary opened and checked, the arguments and the filter made: before the fork.
+        let jail = BackendJail::new(
+            &cfg.vhost_vsock_binary,
+            &self.paths.vsock_dir,
+            &[
+                arg0.as_os_str(),
+                "--socket".as_ref(),
+                socket.as_os_str(),
+                "--uds-path".as_ref(),
+                uds.as_os_str(),
+                "--guest-cid".as_ref(),
+                cid.as_ref(),
+            ],
+            cfg.jail_id,
+        )?;
+        let stderr = create_file(&self.paths.backend_stderr)?;
+        // The program is never looked up: the last pre-exec step executes the opened binary.
+        let mut cmd = Command::new(&cfg.vhost_vsock_binary);
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
         self.paths.hand_vsock_dir_to(cfg.jail_id)?;
-        // Before spawn_tied_to_parent's: its parent-death signal must come after the drop to
-        // the jail id, which would clear it.
-        confine_helper(&mut cmd, HelperIds::Jail(cfg.jail_id));
-        self.backend = Some(self.spawn(&mut cmd, &cfg.vhost_vsock_binary)?);
+        // The jail, then the parent-death signal (the drop to the jail id would clear it),
+        // then the filter and the exec.
+        jail.enter(&mut cmd);
+        tie_to_parent(&mut cmd);
+        jail.exec_last(&mut cmd);
+        let spawned = {
+            let init = self.init.as_ref().ok_or_else(|| {
+                QemuError::InvalidConfig("the VM's processes start after its init".into())
+            })?;
+            let _entered = init.enter()?;
+            cmd.spawn()
+        };
+        self.backend = Some(spawned.map_err(|source| QemuError::BackendJailSpawn {
+            binary: self.backend_binary.clone(),
+            source,
+            stderr: tail_of_file(&self.paths.backend_stderr, TAIL_LINES),
+        })?);
         let deadline = Instant::now() + BACKEND_SOCKET_TIMEOUT;
         loop {
             // It binds the hybrid-vsock socket first, then the vhost-user socket it serves on.
@@ -884,24 +921,91 @@ mod tests {
     fn missing_backend_binary_fails_and_cleans_up() {
         let d = temp_dir("nobackend");
         let err = QemuVm::start(cfg_in(&d)).unwrap_err();
-        assert!(matches!(err, QemuError::Spawn { .. }), "{err}");
+        assert!(
+            matches!(err, QemuError::BackendJail(BackendJailError::Open { .. })),
+            "{err}"
+        );
         assert!(err.to_string().contains("/nonexistent/vhost-device-vsock"));
         assert!(!d.join("w").exists(), "work dir left behind");
         fs::remove_dir_all(&d).unwrap();
     }
 
+    /// The static vhost-device-vsock scripts/install-vhost-device-vsock.sh installs (`make
+    /// deps`): the only kind of vsock backend that runs in its jail.
+    fn real_vsock_backend() -> PathBuf {
+        let bin = default_vhost_vsock_binary();
+        assert!(
+            bin.is_file(),
+            "{}: install it with scripts/install-vhost-device-vsock.sh",
+            bin.display()
+        );
+        bin
+    }
+
     #[test]
-    fn backend_that_exits_is_reported_with_its_stderr() {
-        let d = temp_dir("exits");
-        let script = d.join("fake-backend");
-        fs::write(&script, "#!/bin/sh\necho 'backend says no' >&2\nexit 3\n").unwrap();
+    fn a_dynamically_linked_or_script_backend_fails_naming_why_and_cleans_up() {
+        let d = temp_dir("dynamic-backend");
+        let script = d.join("backend.sh");
+        fs::write(&script, "#!/bin/sh\nexec sleep 30\n").unwrap();
         fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        for (binary, why) in [
+            (PathBuf::from("/bin/sleep"), "dynamically linked"),
+            (script, "script"),
+        ] {
+            let mut c = cfg_in(&d);
+            c.vhost_vsock_binary = binary.clone();
+            let err = QemuVm::start(c).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                matches!(
+                    err,
+                    QemuError::BackendJail(BackendJailError::NotStatic { .. })
+                ),
+                "{msg}"
+            );
+            assert!(
+                msg.contains(&binary.display().to_string())
+                    && msg.contains(why)
+                    && msg.contains("scripts/install-vhost-device-vsock.sh"),
+                "{msg}"
+            );
+            assert!(!d.join("w").exists(), "work dir left behind");
+        }
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A system call outside vhost-device-vsock's filter kills it: the real backend, under its
+    /// filter less `bind` (which it makes at its start, binding its sockets), dies of SIGSYS
+    /// before it has made its socket, and that is reported. Under the whole filter the same
+    /// start gets past it (to QEMU, which the bogus kernel then stops).
+    #[test]
+    fn a_system_call_outside_the_backends_filter_kills_it() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("this test needs root (the backend's jail)");
+        }
+        let d = temp_dir("filter-kills");
         let mut c = cfg_in(&d);
-        c.vhost_vsock_binary = script;
+        c.vhost_vsock_binary = real_vsock_backend();
+        backend_jail::tests::leave_out_of_filter(Some(libc::SYS_bind));
+        let err = QemuVm::start(c.clone());
+        backend_jail::tests::leave_out_of_filter(None);
+        match err {
+            Err(QemuError::BackendExited { status, .. }) => {
+                assert_eq!(status.signal(), Some(libc::SIGSYS), "{status}")
+            }
+            other => panic!("expected the backend killed by SIGSYS: {other:?}"),
+        }
+        assert!(!d.join("w").exists(), "work dir left behind");
         let err = QemuVm::start(c).unwrap_err();
-        let msg = err.to_string();
-        assert!(matches!(err, QemuError::BackendExited { .. }), "{msg}");
-        assert!(msg.contains("backend says no"), "{msg}");
+        assert!(
+            !matches!(
+                err,
+                QemuError::BackendExited { .. }
+                    | QemuError::BackendTimeout { .. }
+                    | QemuError::BackendJailSpawn { .. }
+            ),
+            "the backend did not start under its whole filter: {err}"
+        );
         assert!(!d.join("w").exists(), "work dir left behind");
         fs::remove_dir_all(&d).unwrap();
     }
@@ -1123,11 +1227,7 @@ mod tests {
     fn missing_virtiofsd_fails_and_cleans_up() {
         let dir = temp_dir("no-virtiofsd");
         let mut cfg = cfg_in(&dir);
-        // A stand-in vsock backend that "creates its socket" ($2 of `--socket <path>`) and runs.
-        let fake = dir.join("fake-backend");
-        fs::write(&fake, "#!/bin/sh\ntouch \"$2\"\nexec sleep 30\n").unwrap();
-        fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-        cfg.vhost_vsock_binary = fake;
+        cfg.vhost_vsock_binary = real_vsock_backend();
         cfg.shared_fs = Some(QemuSharedFs {
             tag: "t".into(),
             host_dir: dir.clone(),
@@ -1143,10 +1243,8 @@ mod tests {
     fn a_virtiofsd_refusing_our_options_fails_naming_the_rust_one_and_cleans_up() {
         let dir = temp_dir("old-virtiofsd");
         let mut cfg = cfg_in(&dir);
-        let fake = dir.join("fake-backend");
-        fs::write(&fake, "#!/bin/sh\ntouch \"$2\"\nexec sleep 30\n").unwrap();
-        fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-        cfg.vhost_vsock_binary = fake;
+        // The real vsock backend (a stand-in script cannot run in its jail).
+        cfg.vhost_vsock_binary = real_vsock_backend();
         let share = dir.join("share");
         fs::create_dir(&share).unwrap();
         cfg.shared_fs = Some(QemuSharedFs {

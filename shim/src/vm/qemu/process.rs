@@ -380,6 +380,13 @@ pub(super) enum HelperIds {
     /// above the shim's own hard limit).
     Root { bounding: u64, max_files: u64 },
     /// The VM's jail id as uid, gid and only group: no capability left.
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "the helpers that run as the jail id confine themselves further (QEMU's -runas, vhost-device-vsock's backend_jail); the unit tests confine with this alone"
+        )
+    )]
     Jail(u32),
 }
 
@@ -484,6 +491,16 @@ pub(super) fn confine_helper(cmd: &mut Command, ids: HelperIds) {
 /// changes its credentials later, as QEMU's `-runas` does: the VM's init covers that). The
 /// thread has entered the VM's PID namespace ([`super::init::PodInit::enter`]).
 pub(super) fn spawn_tied_to_parent(cmd: &mut Command, binary: &Path) -> Result<Child, QemuError> {
+    tie_to_parent(cmd);
+    cmd.spawn().map_err(|source| QemuError::Spawn {
+        binary: binary.to_path_buf(),
+        source,
+    })
+}
+
+/// [`spawn_tied_to_parent`]'s pre-exec step alone, for a caller with a step of its own to come
+/// after it (vhost-device-vsock's exec through its descriptor, [`super::backend_jail`]).
+pub(super) fn tie_to_parent(cmd: &mut Command) {
     // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
     // functions (prctl, getppid, _exit); it touches no locks or allocations.
     unsafe {
@@ -507,10 +524,6 @@ pub(super) fn spawn_tied_to_parent(cmd: &mut Command, binary: &Path) -> Result<C
             Ok(())
         });
     }
-    cmd.spawn().map_err(|source| QemuError::Spawn {
-        binary: binary.to_path_buf(),
-        source,
-    })
 }
 
 /// SIGTERM, a bounded wait, then SIGKILL; always reaps.
