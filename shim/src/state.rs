@@ -26,6 +26,8 @@ pub const DEFAULT_STATE_ROOT: &str = "/run/microvm";
 const SHIM_PID_FILE: &str = "shim.pid";
 const VM_PIDS_FILE: &str = "vm.pids";
 const SOCKET_FILE: &str = "socket";
+/// The block slot record of resources/devices, in the pod's directory.
+pub const DEVICES_RECORD_FILE: &str = "devices.json";
 /// How long a cleanup waits for a killed process to go.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How many passes over the mount table a cleanup makes (a pass detaches what it finds; the
@@ -198,7 +200,7 @@ impl StateDir {
     /// Which block slot holds which container's device (resources/devices): rewritten after
     /// every change.
     pub fn devices_record(&self) -> PathBuf {
-        self.path.join(crate::resources::devices::RECORD_FILE)
+        self.path.join(DEVICES_RECORD_FILE)
     }
 
     /// The folder shared with the guest.

@@ -38,8 +38,8 @@ use podresources::HeldDevice;
 pub const POD_NAME_ANNOTATION: &str = "io.kubernetes.cri.sandbox-name";
 pub const POD_NAMESPACE_ANNOTATION: &str = "io.kubernetes.cri.sandbox-namespace";
 
-/// The record's file name in the pod's state directory.
-pub const RECORD_FILE: &str = "devices.json";
+/// The record's file name in the pod's state directory (the state directory names its files).
+pub use crate::state::DEVICES_RECORD_FILE as RECORD_FILE;
 
 /// Why a device could not be given; the message is what the CRI user reads.
 #[derive(Debug, thiserror::Error)]
