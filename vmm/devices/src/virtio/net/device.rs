@@ -9,7 +9,7 @@
 //! again, the queue waiting behind it.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory as _};
@@ -17,8 +17,8 @@ use vmm_sys_util::epoll::EventSet;
 
 use super::tap::Tap;
 use super::{
-    features, validate_mac, validate_mtu, NetError, ETH_HLEN, MAX_BUFFER_SIZE, QUEUE_SIZE,
-    RX_QUEUE, STATUS_LINK_UP, TX_QUEUE, VNET_HDR_LEN, VNET_HDR_NUM_BUFFERS,
+    features, validate_mac, validate_mtu, NetBackend, NetError, ETH_HLEN, MAX_BUFFER_SIZE,
+    QUEUE_SIZE, RX_QUEUE, STATUS_LINK_UP, TX_QUEUE, VNET_HDR_LEN, VNET_HDR_NUM_BUFFERS,
 };
 use crate::virtio::device_state::DeviceState;
 use crate::virtio::queues::notify_used;
@@ -35,14 +35,6 @@ const CONFIG_SIZE: usize = 12;
 const MIN_CHAIN_LEN: usize = VNET_HDR_LEN + ETH_HLEN;
 /// Most descriptors the device follows in one chain (indirect tables included).
 const MAX_CHAIN_DESCRIPTORS: usize = QUEUE_SIZE as usize;
-
-/// Where frames come from and go to: one frame (vnet header first) per call, non-blocking.
-pub trait NetBackend: AsRawFd + Send {
-    /// Reads one frame into `buf`; `WouldBlock` when none waits.
-    fn read_frame(&mut self, buf: &mut [u8]) -> io::Result<usize>;
-    /// Writes one frame; `WouldBlock` when the backend cannot take it now.
-    fn write_frame(&mut self, frame: &[u8]) -> io::Result<usize>;
-}
 
 /// Counters of what the device did (for tests and diagnostics).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -5,7 +5,8 @@
 
 use event_manager::{EventOps, Events, MutEventSubscriber};
 
-use super::device::{Net, NetBackend};
+use super::device::Net;
+use super::NetBackend;
 use crate::virtio::VirtioDevice;
 
 /// Event data of the backend fd; queue eventfds use their queue index.

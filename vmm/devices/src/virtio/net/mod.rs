@@ -32,15 +32,25 @@
 //! [`MAX_BUFFER_SIZE`] frame buffers each device owns. The vnet header a guest sends goes to the
 //! tap as is: the kernel validates it (the same path as any tap user's).
 //!
-//! Files: [`device`] (the [`VirtioDevice`](super::VirtioDevice), the receive and transmit paths),
-//! [`tap`] (the tap backend and its ioctls), `event_handler` (event-loop glue).
+//! Files: this one (the constants and the [`NetBackend`] trait both others use), [`device`] (the
+//! [`VirtioDevice`](super::VirtioDevice), the receive and transmit paths), [`tap`] (the tap
+//! backend and its ioctls), `event_handler` (event-loop glue).
 
 pub mod device;
 mod event_handler;
 pub mod tap;
 
-pub use device::{Net, NetBackend, NetStats};
+pub use device::{Net, NetStats};
 pub use tap::{open_tap, Tap, TapError};
+
+/// Where frames come from and go to: one frame (vnet header first) per call, non-blocking. The
+/// device ([`Net`]) works over it; [`Tap`] is the VMM's, a datagram socket pair the unit tests'.
+pub trait NetBackend: std::os::fd::AsRawFd + Send {
+    /// Reads one frame into `buf`; `WouldBlock` when none waits.
+    fn read_frame(&mut self, buf: &mut [u8]) -> std::io::Result<usize>;
+    /// Writes one frame; `WouldBlock` when the backend cannot take it now.
+    fn write_frame(&mut self, frame: &[u8]) -> std::io::Result<usize>;
+}
 
 /// Receive queue index (device to driver).
 pub const RX_QUEUE: usize = 0;

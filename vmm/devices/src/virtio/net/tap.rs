@@ -14,7 +14,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
-use super::device::NetBackend;
+use super::NetBackend;
 use super::VNET_HDR_LEN;
 
 /// The flags a tap must have for this device.
