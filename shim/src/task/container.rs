@@ -10,6 +10,19 @@ use crate::error::{Error, Result};
 use crate::sandbox::Sandbox;
 use crate::task::process::Process;
 
+/// A pod created through the Sandbox API (`sandbox_service`), from CreateSandbox until
+/// ShutdownSandbox.
+#[derive(Debug)]
+pub struct ApiPod {
+    pub id: String,
+    pub pod: crate::sandbox::pod_config::PodConfig,
+    /// The shim's config, read at CreateSandbox; taken by StartSandbox.
+    pub config: Option<crate::config::Config>,
+    pub created_at: std::time::SystemTime,
+    /// The pod's life: Created, Running once its VM booted, Exited when the VM ended.
+    pub process: Process,
+}
+
 /// What a container is.
 #[derive(Debug)]
 pub enum Kind {
@@ -58,7 +71,7 @@ pub struct Containers {
     pub map: HashMap<String, Container>,
     /// The pod containerd created through the Sandbox API, until ShutdownSandbox: the shim
     /// stays for it even with no container left.
-    pub api_pod: Option<crate::task::sandbox_service::ApiPod>,
+    pub api_pod: Option<ApiPod>,
 }
 
 impl Containers {

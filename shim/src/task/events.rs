@@ -29,8 +29,8 @@ use tokio::time::{Instant, MissedTickBehavior};
 use crate::agent::stdio::Attached;
 use crate::agent::AgentClient;
 use crate::task::container::Containers;
+use crate::task::process::timestamp;
 use crate::task::process::{Exit, StateHandle};
-use crate::task::shim::timestamp;
 use crate::vm::{VmEnd, UNKNOWN_STATUS};
 
 /// Each GetOomEvent long poll to the agent is bounded by this.

@@ -289,7 +289,7 @@ impl TaskService {
 fn timestamp_of(
     exit: Exit,
 ) -> containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp {
-    crate::task::shim::timestamp(exit.at)
+    crate::task::process::timestamp(exit.at)
 }
 
 #[cfg(test)]

@@ -9,9 +9,11 @@
 //!   (cleanup after a shim that is gone), the daemon's setup.
 //! - [`service`]: the task API (Create, Start, Kill, Wait, State, Delete, ...), thin: it
 //!   validates, calls the [`crate::sandbox`] or the agent, and maps errors.
-//! - [`container`]: the containers this shim serves (the sandbox, app containers).
+//! - [`container`]: the containers this shim serves (the sandbox, app containers) and the
+//!   Sandbox API's record of its pod.
 //! - [`create`]: Create for each role (sandbox, app container, standalone container).
-//! - [`process`]: one process's watched state (Created, Running, Paused, Exited).
+//! - [`process`]: one process's watched state (Created, Running, Paused, Exited), and the
+//!   protobuf timestamps of its times.
 //! - [`exec`]: exec processes of app containers.
 //! - [`events`]: events to containerd and the watchers that produce them (VM exit, process
 //!   exits, OOM kills).

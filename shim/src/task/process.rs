@@ -149,6 +149,20 @@ pub async fn wait_exit(mut rx: watch::Receiver<State>) -> Exit {
     }
 }
 
+/// A protobuf timestamp (of a process's creation or exit, for containerd).
+pub fn timestamp(
+    t: std::time::SystemTime,
+) -> containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp {
+    let d = t
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+        ..Default::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

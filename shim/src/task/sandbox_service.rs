@@ -22,31 +22,19 @@ use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim_protos::types::platform::Platform;
 
 use crate::agent::stdio::{Attached, Fifos};
-use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::sandbox::pod_config::PodConfig;
 use crate::sandbox::{spec, BootRequest, Sandbox};
+use crate::task::container::ApiPod;
 use crate::task::events;
+use crate::task::process::timestamp;
 use crate::task::process::{wait_exit, Exit, Process, State};
 use crate::task::service::TaskService;
-use crate::task::shim::timestamp;
 
 type TtrpcResult<T> = std::result::Result<T, containerd_shim_protos::ttrpc::Error>;
 
 /// The status a pod ended by StopSandbox or ShutdownSandbox reports: it was asked to stop.
 const STOPPED: u32 = 0;
-
-/// A pod created through the Sandbox API, from CreateSandbox until ShutdownSandbox.
-#[derive(Debug)]
-pub struct ApiPod {
-    id: String,
-    pod: PodConfig,
-    /// The shim's config, read at CreateSandbox; taken by StartSandbox.
-    config: Option<Config>,
-    created_at: SystemTime,
-    /// The pod's life: Created, Running once its VM booted, Exited when the VM ended.
-    process: Process,
-}
 
 /// The Sandbox API of one pod's shim; shares the task service's table (the pod's VM is the
 /// one its app containers are created in).

@@ -30,8 +30,8 @@ use crate::error::{Error, Result};
 use crate::task::bundle::{self, Role};
 use crate::task::container::{process_name, Containers, Kind};
 use crate::task::events::{self, Events};
+use crate::task::process::timestamp;
 use crate::task::process::{wait_exit, Exit, State};
-use crate::task::shim::timestamp;
 
 type TtrpcResult<T> = std::result::Result<T, containerd_shim_protos::ttrpc::Error>;
 

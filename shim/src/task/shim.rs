@@ -17,7 +17,6 @@ use containerd_shim::asynchronous::{ExitSignal, Shim};
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Config, Error, Flags, StartOpts};
 use containerd_shim_protos::api::DeleteResponse;
-use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
 
 use crate::sandbox::reclaim::{self, Detached};
 use crate::state::{state_root, StateDir};
@@ -179,18 +178,8 @@ pub fn shim_config() -> Config {
 fn exit_response() -> DeleteResponse {
     let mut resp = DeleteResponse::new();
     resp.exit_status = 137;
-    resp.exited_at = Some(timestamp(SystemTime::now())).into();
+    resp.exited_at = Some(crate::task::process::timestamp(SystemTime::now())).into();
     resp
-}
-
-/// A protobuf timestamp.
-pub fn timestamp(t: SystemTime) -> Timestamp {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    Timestamp {
-        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
-        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
-        ..Default::default()
-    }
 }
 
 /// Spawns the daemon (this binary without an action, with `-socket`) and waits until it serves:
