@@ -12,11 +12,11 @@ use vmm_devices::virtio::block::Block;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::Killable;
 
+use crate::kick::kick_signal;
 use crate::kvm_vm::KvmVm;
 use crate::memory::GuestMemory;
 use crate::page_sharing::{PageSharingError, SharingReport, VmSharing};
 use crate::pause::PauseGate;
-use crate::vcpu::kick_signal;
 use crate::{VmExit, VmmError};
 
 /// How long a sharing pass waits for the VM's threads to pause.

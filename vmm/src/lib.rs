@@ -15,6 +15,7 @@ mod error;
 pub mod event_loop;
 mod handle;
 pub mod jail;
+mod kick;
 pub mod kvm_vm;
 pub mod layout;
 pub mod memory;

@@ -1,19 +1,18 @@
 //! vCPUs: their boot setup, and the thread that runs each one (KVM_RUN, exits to the buses).
 //!
 //! Stopping: the VM's stop flag is checked before every KVM_RUN; a vCPU blocked in the guest is
-//! kicked out with a signal (no-op handler, no SA_RESTART, so KVM_RUN returns EINTR). The kicker
+//! kicked out with a signal (kick.rs: no-op handler, no SA_RESTART, so KVM_RUN returns EINTR). The kicker
 //! repeats the signal until the thread ends, which closes the race between the flag check and
 //! entering KVM_RUN.
 //!
 //! Pausing ([`crate::VmHandle::with_paused`]) works the same way: the pause gate is checked
 //! before every KVM_RUN, and the pauser repeats the kick until every vCPU has parked there.
 
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 
 use kvm_bindings::{kvm_lapic_state, CpuId};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_devices::bus::Bus;
-use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::cpuid::filter_cpuid;
 use crate::handle::Shared;
@@ -22,9 +21,6 @@ use crate::memory::GuestMemory;
 use crate::regs::{boot_fpu, boot_regs, setup_sregs, EntryMode};
 use crate::{msrs, VmExit, VmmError};
 
-/// Offset from SIGRTMIN of the signal that kicks vCPU threads out of KVM_RUN.
-const KICK_SIGNAL_OFFSET: i32 = 2;
-
 const APIC_LVT0: usize = 0x350;
 const APIC_LVT1: usize = 0x360;
 const APIC_MODE_NMI: u32 = 0x4;
@@ -32,25 +28,6 @@ const APIC_MODE_EXTINT: u32 = 0x7;
 
 const KVM_SYSTEM_EVENT_SHUTDOWN: u32 = 1;
 const KVM_SYSTEM_EVENT_RESET: u32 = 2;
-
-/// The signal number used to kick vCPU threads.
-pub fn kick_signal() -> i32 {
-    SIGRTMIN() + KICK_SIGNAL_OFFSET
-}
-
-/// Installs the (no-op) kick signal handler once per process.
-pub fn install_kick_handler() -> Result<(), VmmError> {
-    static ONCE: Once = Once::new();
-    let mut result = Ok(());
-    ONCE.call_once(|| {
-        extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
-        result = register_signal_handler(kick_signal(), on_kick).map_err(|e| VmmError::Io {
-            op: "install the vCPU kick signal handler".into(),
-            source: e.into(),
-        });
-    });
-    result
-}
 
 fn lapic_reg(l: &kvm_lapic_state, off: usize) -> u32 {
     let b = |i: usize| l.regs[off + i] as u8;

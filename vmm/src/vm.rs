@@ -27,12 +27,13 @@ use crate::devices::DeviceManager;
 use crate::event_loop::{self, Control};
 use crate::handle::{abort_start, new_running, HandleDevices, Running, Shared, VmHandle};
 use crate::jail::{Needs, Role, ThreadFilter};
+use crate::kick::install_kick_handler;
 use crate::kvm_vm::KvmVm;
 use crate::layout::{pci_intx_gsis, PCI_BAR_FIRST_SLOT};
 use crate::memory::create_guest_memory;
 use crate::page_sharing::{self, PageSharingConfig, VmSharing};
 use crate::regs::{write_page_tables, EntryMode};
-use crate::vcpu::{install_kick_handler, Vcpu};
+use crate::vcpu::Vcpu;
 use crate::{mptable, VmmError};
 
 /// The embedded VMM's entry point.

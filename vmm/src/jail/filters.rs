@@ -144,9 +144,9 @@ vmm_sys_util::ioctl_iow_nr!(
 pub const BLKDISCARD: u64 = 0x1277;
 pub const BLKZEROOUT: u64 = 0x127f;
 
-/// The kick signal of the vCPU threads (`crate::vcpu::kick_signal`).
+/// The kick signal of the vCPU threads (`crate::kick::kick_signal`).
 fn kick_signal() -> u64 {
-    crate::vcpu::kick_signal() as u64
+    crate::kick::kick_signal() as u64
 }
 
 struct Builder {

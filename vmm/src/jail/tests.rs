@@ -315,7 +315,7 @@ fn device_loop_arguments_are_checked() {
 fn signals_go_only_to_this_process() {
     let pid = std::process::id() as i64;
     let f = ThreadFilter::new(Role::Control, Needs::default()).unwrap();
-    let kick = i64::from(crate::vcpu::kick_signal());
+    let kick = i64::from(crate::kick::kick_signal());
     // The kick to a thread of the process the filter was built for (no such thread: ESRCH,
     // but the call is let through).
     let tgkill = |tgid: i64| {
