@@ -731,8 +731,9 @@ impl Containers {
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(exec_id);
         };
-        let (process, seccomp) =
-            ExecSeccomp::plan(entry.seccomp.as_ref(), process).inspect_err(|_| forget())?;
+        let (process, seccomp) = ExecSeccomp::plan(entry.seccomp.as_ref(), process)
+            .map_err(|e| ContainerError::Spec(e.to_string()))
+            .inspect_err(|_| forget())?;
         let process_path = entry.bundle.join(format!("exec-{exec_id}.json"));
         let text = serde_json::to_vec(&process).map_err(|source| ContainerError::Json {
             what: "OCI process",

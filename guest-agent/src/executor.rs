@@ -6,8 +6,6 @@ use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 use oci_spec::runtime::{LinuxCapabilities, LinuxSeccomp, Process, Spec};
 use serde::{Deserialize, Serialize};
 
-use crate::containers::ContainerError;
-
 /// What libcontainer runs in the container's process right before the user program: undoes the
 /// agent's own signal state (SIGCHLD blocked for the reaper, SIGPIPE ignored by Rust's runtime),
 /// which a clone inherits, then (execs only, see [`ExecSeccomp`]) loads the container's seccomp
@@ -25,6 +23,13 @@ pub struct AgentExecutor {
 /// the process without `capabilities` (it then keeps the agent's, across the user switch too),
 /// and after loading the filter the executor drops them to the process's, as libcontainer would
 /// have.
+/// Why an exec's seccomp filter cannot be planned (the caller reports it as a spec error).
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("the container's seccomp profile uses SCMP_ACT_NOTIFY, which execs do not support")]
+    NotifyInExec,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExecSeccomp {
     filter: LinuxSeccomp,
@@ -38,15 +43,12 @@ impl ExecSeccomp {
     pub fn plan(
         container_filter: Option<&LinuxSeccomp>,
         mut process: Process,
-    ) -> Result<(Process, Option<Self>), ContainerError> {
+    ) -> Result<(Process, Option<Self>), PlanError> {
         let Some(filter) = container_filter else {
             return Ok((process, None));
         };
         if libcontainer::seccomp::is_notify(filter) {
-            return Err(ContainerError::Spec(
-                "the container's seccomp profile uses SCMP_ACT_NOTIFY, which execs do not support"
-                    .into(),
-            ));
+            return Err(PlanError::NotifyInExec);
         }
         let then_capabilities = if process.no_new_privileges() == Some(true) {
             None
