@@ -436,11 +436,6 @@ impl ProcStat {
     }
 }
 
-/// Whether `pid` is exiting (`PF_EXITING` in `/proc/<pid>/stat` field 9), or gone.
-pub fn exiting(pid: u32) -> bool {
-    ProcStat::read(pid).is_none_or(|s| s.is_exiting())
-}
-
 /// A live (not zombie) process's start time in clock ticks since boot (`/proc/<pid>/stat`
 /// field 22), or `None` if it is gone.
 pub fn start_time(pid: u32) -> Option<u64> {
@@ -551,8 +546,9 @@ mod tests {
         let pid = child.id();
         child.wait().unwrap();
         assert_eq!(start_time(pid), None);
-        assert!(!exiting(std::process::id()));
-        assert!(exiting(pid));
+        let own = ProcStat::read(std::process::id()).unwrap();
+        assert!(own.is_live() && !own.is_exiting());
+        assert_eq!(ProcStat::read(pid), None, "a reaped process has no stat");
         assert_eq!(unescape_mountinfo(r"/a\040b\134c"), Path::new("/a b\\c"));
         // A cut escape is kept as it is.
         assert_eq!(unescape_mountinfo(r"/x\04"), Path::new(r"/x\04"));
