@@ -3,3 +3,4 @@
 //! never links it.
 
 pub mod cpio;
+pub mod guests;

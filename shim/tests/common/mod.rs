@@ -1,21 +1,10 @@
 //! What the shim's kvm_vmm_process_* tests share: the test guests, the shim binary, the
 //! console wait. Each test binary includes it with `mod common;`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// Test guest `name` (build/guests/<name>.elf, `make -C tests/guests`).
-pub fn guest(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../build/guests")
-        .join(format!("{name}.elf"));
-    assert!(
-        p.is_file(),
-        "{} is missing: make -C tests/guests",
-        p.display()
-    );
-    p
-}
+pub use testkit::guests::guest;
 
 /// The shim binary, which runs the VMM process (`__vmm`).
 #[allow(dead_code, reason = "kvm_vmm_process_climb is its own VMM process")]

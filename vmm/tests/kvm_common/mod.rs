@@ -2,7 +2,6 @@
 #![allow(dead_code)]
 
 use std::io::{self, Write};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,18 +30,7 @@ impl Capture {
     }
 }
 
-/// The path of a built test guest; panics with the command to build it when missing.
-pub fn guest(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../build/guests")
-        .join(format!("{name}.elf"));
-    assert!(
-        p.is_file(),
-        "test guest {} is missing: build the guests first with `make -C tests/guests`",
-        p.display()
-    );
-    p
-}
+pub use testkit::guests::guest;
 
 pub fn config(name: &str, vcpus: u8, memory_mib: u64) -> (VmConfig, Capture) {
     let cap = Capture::default();
