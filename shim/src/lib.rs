@@ -3,7 +3,8 @@
 //! [`task`] (containerd's task API, thin) -> [`sandbox`] (the pod: boot, containers, teardown)
 //! -> [`resources`] (host resources, each recording its undo in [`state`]), [`vm`] (the VM
 //! backends) and [`agent`] (the guest agent over hybrid vsock, async). [`error`] maps every
-//! failure to one ttrpc status; [`config`] is the typed config.
+//! failure to one ttrpc status; [`config`] is the typed config; [`oci`] reads the OCI spec
+//! containerd hands over (below both `task` and `sandbox`).
 //!
 //! Also here: [`host_check`] (what this host can run), [`artifacts`] (where the built guest
 //! kernel, initrd and test guests are found: the `microvm` tool's defaults and the tests'), and
@@ -17,6 +18,7 @@ pub mod error;
 pub mod host_check;
 pub mod host_fs;
 pub mod install;
+pub mod oci;
 pub mod resources;
 pub mod sandbox;
 pub mod state;

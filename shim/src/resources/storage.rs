@@ -34,8 +34,21 @@ use rustix::fs::{fstat, FileType, OFlags};
 use rustix::mount::MountAttrFlags;
 
 use crate::host_fs::{self, Propagation};
-use crate::sandbox::spec::ShareBind;
 use crate::state::StateDir;
+
+/// A host path to bind-mount into the shared directory, at `shared/<relative>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareBind {
+    /// The host source of the spec's mount.
+    pub host_source: PathBuf,
+    /// Where under the pod's shared directory it goes.
+    pub relative: PathBuf,
+    /// Whether the spec asks for it read-only.
+    pub readonly: bool,
+    /// Whether the spec asks for mounts made under the host source later to show inside
+    /// (`rslave`/`rshared`: Kubernetes' HostToContainer and Bidirectional propagation).
+    pub from_host: bool,
+}
 
 /// The skeleton tmpfs's size. It holds only empty directories and files (mount points), which
 /// take no data pages; the bound is there so that nothing, the shim included, can grow it.

@@ -27,9 +27,10 @@
 //!     addresses and routes;
 //! 12. the pod's sysctls, written in the guest before any container exists.
 //!
-//! A step that fails undoes the steps before it (the VM stopped, then the network, the host
-//! cgroup and the state directory released: [`release_host_resources`]) and says which step
-//! failed.
+//! The boot is one transaction: each host resource is recorded in the state directory before
+//! it is made, and a step that fails has one undo ([`undo_boot`]: the VM stopped if it started,
+//! then everything recorded released in reverse by [`release_host_resources`], the same records
+//! a teardown and the reclaim of a dead pod read); the error says which step failed.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -43,12 +44,9 @@ use crate::resources::cgroup::overhead::{Amounts, Defaults};
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, SetupRequest};
 use crate::resources::{devices, network, storage};
 use crate::state::{state_root, StateDir};
-use crate::task::bundle;
 use crate::vm::qemu::Accel;
 use crate::vm::thread::{BootError, VmThread};
-use crate::vm::{
-    Backend, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir, UNKNOWN_STATUS,
-};
+use crate::vm::{Backend, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir};
 
 use super::{release_host_resources, spec, Sandbox, SandboxError};
 
@@ -63,6 +61,9 @@ const TAIL_LINES: usize = 20;
 pub struct BootRequest<'a> {
     /// The pod's id.
     pub id: &'a str,
+    /// The socket this shim serves the pod on (recorded in the state directory for
+    /// `<shim> delete` and the sweep after a crash); `None` outside a serving shim.
+    pub shim_socket: Option<&'a str>,
     /// The pod's (or standalone container's) OCI spec.
     pub spec: &'a serde_json::Value,
     /// The spec's annotations.
@@ -113,51 +114,93 @@ fn page_sharing(
 }
 
 impl Sandbox {
-    /// Boots pod `req.id`: the steps of this module's doc, in order.
+    /// Boots pod `req.id`: the steps of this module's doc, in order, as one transaction. Each
+    /// host resource is recorded in the pod's state directory before it is made (the records
+    /// [`release_host_resources`] reads), so a failure at any step has one undo
+    /// ([`undo_boot`]): the VM stopped if it started, then the host side released in reverse
+    /// from those records, the same undo a pod's teardown and the reclaim of a dead pod run.
     pub async fn boot(req: BootRequest<'_>) -> Result<Sandbox, SandboxError> {
         let id = req.id;
         let config = &req.config;
-        // 1. The backend.
+        // 1. The backend, and 2. the size: nothing is acquired yet.
         let choice = choose_backend(id, config)?;
-        let backend = choice.backend;
-        // 2. The size.
         let size = spec::vm_size(config, req.annotations).map_err(SandboxError::Size)?;
-        // 3. The state directory.
+        // 3. The state directory: from here on, every step's failure is undone by `undo_boot`.
         let state = StateDir::new(&state_root(), id).map_err(SandboxError::StateName)?;
         state
             .create(std::process::id())
             .map_err(SandboxError::State)?;
-        if let Some(socket) = super::reclaim::own_socket() {
-            if let Err(e) = state.record_socket(socket) {
-                let _ = state.cleanup();
-                return Err(SandboxError::State(e));
-            }
+        // 4.-8. The host side and the guest spec.
+        let host = match HostSide::acquire(&req, &choice, size, &state).await {
+            Ok(host) => host,
+            Err(e) => return Err(undo_boot(id, &state, None, e).await),
+        };
+        log::info!(
+            "sandbox {id}: booting a {} VM with {} vCPUs, {} MiB",
+            choice.backend,
+            size.vcpus,
+            size.memory_mib
+        );
+        // 9. The VM, up to the agent's ready event; its host processes recorded as they start.
+        let record_in = state.clone();
+        let record = Box::new(move |pids: &[u32]| {
+            record_in
+                .record_vm_processes(pids)
+                .map_err(|e| e.to_string())
+        });
+        let vm = match VmThread::boot(choice.backend, host.guest, record).await {
+            Ok(vm) => vm,
+            Err(e) => return Err(undo_boot(id, &state, None, e.into()).await),
+        };
+        // 10.-12. The agent, the guest's network, the pod's sysctls.
+        let (agent, info) = match ready_guest(id, &vm, host.network_request, req.sysctls).await {
+            Ok(ready) => ready,
+            Err(e) => return Err(undo_boot(id, &state, Some(&vm), e).await),
+        };
+        Ok(Sandbox {
+            id: id.to_string(),
+            state,
+            share: host.share,
+            host_cgroup: std::sync::Mutex::new(host.cgroup),
+            vm,
+            agent,
+            info,
+            devices: host.devices,
+            app_started: Default::default(),
+        })
+    }
+}
+
+/// What steps 4 to 8 acquired on the host, and the guest spec that hands it to the VM.
+struct HostSide {
+    cgroup: Option<HostCgroup>,
+    share: Arc<storage::PodShare>,
+    devices: devices::DeviceTable,
+    guest: GuestSpec,
+    /// The guest side of the pod network (step 11), when the pod has one.
+    network_request: Option<agent_protocol::agent::ConfigureNetworkRequest>,
+}
+
+impl HostSide {
+    /// Steps 4 to 8, each recorded in `state` before it acts; the caller undoes them all on an
+    /// error.
+    async fn acquire(
+        req: &BootRequest<'_>,
+        choice: &BackendChoice,
+        size: spec::VmSize,
+        state: &StateDir,
+    ) -> Result<HostSide, SandboxError> {
+        let (id, config) = (req.id, &req.config);
+        // The shim's socket, for `<shim> delete` and the sweep after a crash.
+        if let Some(socket) = req.shim_socket {
+            state.record_socket(socket).map_err(SandboxError::State)?;
         }
         // 4. The host cgroup, before anything that spawns a process or thread for the pod.
-        let host_cgroup = match host_cgroup(id, config, &req, size, &state) {
-            Ok(c) => c,
-            Err(e) => {
-                if let Err(c) = release_host_resources(&state).await {
-                    log::warn!("cleaning up after a failed host cgroup: {c}");
-                }
-                return Err(SandboxError::Cgroup(e));
-            }
-        };
+        let cgroup = host_cgroup(id, config, req, size, state)?;
         // 5. The network, in the pod netns containerd ran CNI in.
-        let network = match bundle::network_namespace(req.spec) {
-            Some(netns) => match network::setup(&netns, &state.network_record()).await {
-                Ok(n) => Some(n),
-                Err(e) => {
-                    if let Err(c) = release_host_resources(&state).await {
-                        log::warn!("cleaning up after a failed network setup: {c}");
-                    }
-                    return Err(e.into());
-                }
-            },
-            None => None,
-        };
-        let (nics, network_request) = match network {
-            Some(n) => {
+        let (nics, network_request) = match crate::oci::network_namespace(req.spec) {
+            Some(netns) => {
+                let n = network::setup(&netns, &state.network_record()).await?;
                 let request = network::configure_network_request(n.guest_interfaces());
                 let nics = n.nics.into_iter().map(|nic| GuestNic {
                     mac: nic.guest.mac.0,
@@ -170,22 +213,10 @@ impl Sandbox {
             None => (Vec::new(), None),
         };
         // 6. Storage: the shared folder.
-        let share = match storage::PodShare::create(&state) {
-            Ok(s) => Arc::new(s),
-            Err(e) => {
-                let _ = release_host_resources(&state).await;
-                return Err(e.into());
-            }
-        };
+        let share = Arc::new(storage::PodShare::create(state)?);
         // 7. Devices: what the pod holds at boot, and the empty slots beside them.
-        let cold = match devices::cold_plug(&config.devices, req.annotations).await {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = release_host_resources(&state).await;
-                return Err(e.into());
-            }
-        };
-        let (hotplug, rw_slots, ro_slots) = match backend {
+        let cold = devices::cold_plug(&config.devices, req.annotations).await?;
+        let (hotplug, rw_slots, ro_slots) = match choice.backend {
             // QEMU's virtio-blk-device cannot be filled at runtime without QMP (docs/devices.md).
             Backend::Qemu => (devices::Hotplug::Unsupported("qemu"), 0, 0),
             Backend::Kvm => (
@@ -195,19 +226,13 @@ impl Sandbox {
             ),
         };
         let layout = devices::disk_layout(&cold, rw_slots, ro_slots);
-        let device_table = match devices::DeviceTable::new(
+        let device_table = devices::DeviceTable::new(
             state.devices_record(),
             hotplug,
             &layout,
             &cold,
             cold.vfio.clone(),
-        ) {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = release_host_resources(&state).await;
-                return Err(e.into());
-            }
-        };
+        )?;
         if !cold.disks.is_empty() || !cold.vfio.is_empty() {
             log::info!(
                 "sandbox {id}: cold-plugging {} disks ({}) and {} VFIO devices",
@@ -275,78 +300,78 @@ impl Sandbox {
             // Checked by Config::validate.
             jail_id: crate::vm::qemu::jail_id(config.qemu.jail_id_base).unwrap_or(u32::MAX),
         };
-        log::info!(
-            "sandbox {id}: booting a {backend} VM with {} vCPUs, {} MiB",
-            size.vcpus,
-            size.memory_mib
-        );
-        // 9. The VM, up to the agent's ready event.
-        let record_in = state.clone();
-        let record = Box::new(move |pids: &[u32]| {
-            record_in
-                .record_vm_processes(pids)
-                .map_err(|e| e.to_string())
-        });
-        let vm = match VmThread::boot(backend, guest, record).await {
-            Ok(vm) => vm,
-            Err(e) => {
-                if let Err(c) = release_host_resources(&state).await {
-                    log::warn!("cleaning up after a failed boot: {c}");
-                }
-                return Err(e.into());
-            }
-        };
-        // 10. The agent.
-        let (agent, info) = match connect_agent(vm.agent_socket()).await {
-            Ok(pair) => pair,
-            Err(e) => {
-                let tail = vm.console_tail(TAIL_LINES);
-                let sandbox_err = SandboxError::Boot(BootError::Agent(format!(
-                    "{e}; console ends with:\n{tail}"
-                )));
-                discard(id, &vm, &state, UNKNOWN_STATUS).await;
-                return Err(sandbox_err);
-            }
-        };
-        log::info!(
-            "sandbox {id}: VM ready ({}), guest kernel {}, boot id {}",
-            vm.detail(),
-            info.kernel_release,
-            info.boot_id
-        );
-        // 11. The guest's NICs get the CNI interfaces' names, MTU, addresses and routes.
-        if let Some(request) = network_request {
-            if let Err(source) = agent.configure_network(request).await {
-                discard(id, &vm, &state, DISCARDED_STATUS).await;
-                return Err(SandboxError::Agent {
-                    what: format!("sandbox {id}: configuring the pod network in the guest"),
-                    source,
-                });
-            }
-        }
-        // 12. The pod's sysctls go to the VM's namespaces, which its containers share, before
-        // any container exists; a sysctl the guest refuses fails the pod, naming it.
-        if !req.sysctls.is_empty() {
-            if let Err(source) = agent.set_sysctls(req.sysctls).await {
-                discard(id, &vm, &state, DISCARDED_STATUS).await;
-                return Err(SandboxError::Agent {
-                    what: format!("sandbox {id}: setting the pod's sysctls in the guest"),
-                    source,
-                });
-            }
-        }
-        Ok(Sandbox {
-            id: id.to_string(),
-            state,
+        Ok(HostSide {
+            cgroup,
             share,
-            host_cgroup: std::sync::Mutex::new(host_cgroup),
-            vm,
-            agent,
-            info,
             devices: device_table,
-            app_started: Default::default(),
+            guest,
+            network_request,
         })
     }
+}
+
+/// Steps 10 to 12, on the VM that reported ready: the agent connected and checked, the guest's
+/// NICs given the CNI interfaces' names, MTU, addresses and routes, the pod's sysctls set.
+async fn ready_guest(
+    id: &str,
+    vm: &VmThread,
+    network_request: Option<agent_protocol::agent::ConfigureNetworkRequest>,
+    sysctls: HashMap<String, String>,
+) -> Result<(AgentClient, crate::agent::AgentInfo), SandboxError> {
+    // 10. The agent.
+    let (agent, info) = connect_agent(vm.agent_socket()).await.map_err(|e| {
+        let tail = vm.console_tail(TAIL_LINES);
+        SandboxError::Boot(BootError::Agent(format!("{e}; console ends with:\n{tail}")))
+    })?;
+    log::info!(
+        "sandbox {id}: VM ready ({}), guest kernel {}, boot id {}",
+        vm.detail(),
+        info.kernel_release,
+        info.boot_id
+    );
+    // 11. The guest's NICs.
+    if let Some(request) = network_request {
+        agent
+            .configure_network(request)
+            .await
+            .map_err(|source| SandboxError::Agent {
+                what: format!("sandbox {id}: configuring the pod network in the guest"),
+                source,
+            })?;
+    }
+    // 12. The pod's sysctls go to the VM's namespaces, which its containers share, before any
+    // container exists; a sysctl the guest refuses fails the pod, naming it.
+    if !sysctls.is_empty() {
+        agent
+            .set_sysctls(sysctls)
+            .await
+            .map_err(|source| SandboxError::Agent {
+                what: format!("sandbox {id}: setting the pod's sysctls in the guest"),
+                source,
+            })?;
+    }
+    Ok((agent, info))
+}
+
+/// The one undo of a failed boot: the VM stopped if it started (it reports
+/// [`DISCARDED_STATUS`]), then the host side released in reverse from the state directory's
+/// records ([`release_host_resources`]: network, VM processes, host cgroup, shared folder
+/// mounts, the directory). Returns `error`, the step's failure, for the caller.
+async fn undo_boot(
+    id: &str,
+    state: &StateDir,
+    vm: Option<&VmThread>,
+    error: SandboxError,
+) -> SandboxError {
+    log::warn!("sandbox {id}: boot failed, undoing it: {error}");
+    if let Some(vm) = vm {
+        vm.stop(DISCARDED_STATUS);
+        vm.wait().await;
+    }
+    if let Err(c) = release_host_resources(state).await {
+        log::warn!("sandbox {id}: undoing the failed boot: {c}");
+    }
+    error
 }
 
 /// Step 4: the pod's host cgroup, or none (no `cgroupsPath` in the spec, or disabled).
@@ -412,7 +437,7 @@ fn choose_backend(id: &str, config: &Config) -> Result<BackendChoice, SandboxErr
     Ok(choice)
 }
 
-/// Step 9: the agent, reachable now that it reported ready, answers Check.
+/// Step 10: the agent, reachable now that it reported ready, answers Check.
 async fn connect_agent(
     socket: &Path,
 ) -> Result<(AgentClient, crate::agent::AgentInfo), AgentError> {
@@ -424,15 +449,6 @@ async fn connect_agent(
     .await?;
     let info = agent.check().await?;
     Ok((agent, info))
-}
-
-/// Undoes a boot that failed after the VM started: the VM stopped, the host side released.
-async fn discard(id: &str, vm: &VmThread, state: &StateDir, status: u32) {
-    vm.stop(status);
-    vm.wait().await;
-    if let Err(c) = release_host_resources(state).await {
-        log::warn!("{id}: cleanup after a failed create: {c}");
-    }
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! An app container in the pod's VM. Adding one, in order: its spec rewritten for the guest
 //! ([`spec::rewrite_for_guest`]), its rootfs and bind sources mounted into the pod's shared
 //! folder (`resources::storage`), the container created in the agent, its stdio FIFOs attached to
-//! the agent's streams. A failed step undoes the ones before it. Removing one undoes them all.
+//! the agent's streams. Adding is one transaction: each step marks what it acquired, and a failed
+//! step has one undo of what is marked, in reverse. Removing one undoes them all.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -44,9 +45,53 @@ impl From<String> for CreateFailure {
     }
 }
 
+/// What adding a container has acquired so far, each marked when it is acquired and undone
+/// in reverse by [`Sandbox::undo_add`] on any error: the devices it holds (disk slots filled),
+/// its files in the shared folder, the container in the agent.
+#[derive(Default)]
+struct Acquired {
+    devices: bool,
+    shared: bool,
+    created: bool,
+}
+
+/// Why adding a container failed: before its files were shared (the error as it is), or from
+/// sharing on (a create failure, which quotes the guest's console where it says more).
+enum AddFailure {
+    Early(SandboxError),
+    Create(CreateFailure),
+}
+
+impl From<SandboxError> for AddFailure {
+    fn from(e: SandboxError) -> Self {
+        AddFailure::Early(e)
+    }
+}
+
+impl From<CreateFailure> for AddFailure {
+    fn from(f: CreateFailure) -> Self {
+        AddFailure::Create(f)
+    }
+}
+
 impl Sandbox {
-    /// Adds app container `c` to the VM; returns its init's guest pid and stdio copies.
+    /// Adds app container `c` to the VM; returns its init's guest pid and stdio copies. One
+    /// transaction: a step that fails has one undo ([`Self::undo_add`]).
     pub async fn add_container(&self, c: NewContainer) -> Result<(u32, Attached), SandboxError> {
+        let id = c.id.clone();
+        let mut acquired = Acquired::default();
+        match self.add_steps(c, &mut acquired).await {
+            Ok(added) => Ok(added),
+            Err(failure) => Err(self.undo_add(&id, acquired, failure).await),
+        }
+    }
+
+    /// The steps of adding `c`, in order, each marked in `acquired` once it holds something.
+    async fn add_steps(
+        &self,
+        c: NewContainer,
+        acquired: &mut Acquired,
+    ) -> Result<(u32, Attached), AddFailure> {
         let NewContainer {
             id,
             bundle,
@@ -56,14 +101,18 @@ impl Sandbox {
             pids,
         } = c;
         // Devices first: a refused device fails the create before anything is shared.
-        let mut prepared = self.devices.prepare(&id, &spec)?;
+        let mut prepared = self
+            .devices
+            .prepare(&id, &spec)
+            .map_err(SandboxError::from)?;
+        acquired.devices = true;
         for a in std::mem::take(&mut prepared.attach) {
             if let Err(detail) = self.vm.attach_block(a.index, a.serial, a.file).await {
-                self.release_devices(&id).await;
                 return Err(SandboxError::Devices(DevicesError::Attach {
                     device: a.device,
                     detail,
-                }));
+                })
+                .into());
             }
         }
         devices::oci::remove_devices(&mut spec, &prepared.removed);
@@ -78,13 +127,9 @@ impl Sandbox {
             })
             .collect();
         spec::resolve_target_pid_namespace(&mut spec, &pids);
-        let binds = match spec::rewrite_for_guest(&mut spec, &id, std::process::id()) {
-            Ok(b) => b,
-            Err(e) => {
-                self.release_devices(&id).await;
-                return Err(e.into());
-            }
-        };
+        let binds = spec::rewrite_for_guest(&mut spec, &id, std::process::id())
+            .map_err(SandboxError::from)?;
+        // The container's files in the shared folder.
         let shared = {
             let (share, id) = (self.share.clone(), id.clone());
             let bundle_rootfs = bundle.join("rootfs");
@@ -92,51 +137,54 @@ impl Sandbox {
                 share.share_container(&id, &rootfs, &bundle_rootfs, &binds)
             })
             .await
-            .map_err(|e| SandboxError::Task(e.to_string()))
+            .map_err(|e| SandboxError::Task(e.to_string()))?
         };
-        let shared = match shared {
-            Ok(s) => s,
-            Err(e) => {
-                self.release_devices(&id).await;
-                return Err(e);
-            }
+        shared.map_err(|e| CreateFailure::from(e.to_string()))?;
+        acquired.shared = true;
+        // The container in the agent.
+        let json = serde_json::to_vec(&spec).map_err(|e| CreateFailure::from(e.to_string()))?;
+        let request = agent_protocol::agent::CreateContainerRequest {
+            container_id: id.clone(),
+            oci_spec_json: json,
+            stdio: Some(fifos.agent_stdio()).into(),
+            block_devices,
+            ..Default::default()
         };
-        let was_shared = shared.is_ok();
-        let created: Result<(u32, Attached), CreateFailure> = async {
-            shared.map_err(|e| CreateFailure::from(e.to_string()))?;
-            let json = serde_json::to_vec(&spec).map_err(|e| CreateFailure::from(e.to_string()))?;
-            let request = agent_protocol::agent::CreateContainerRequest {
-                container_id: id.clone(),
-                oci_spec_json: json,
-                stdio: Some(fifos.agent_stdio()).into(),
-                block_devices,
-                ..Default::default()
-            };
-            let pid = self
-                .agent
-                .create_container(request)
-                .await
-                .map_err(|e| CreateFailure {
-                    message: e.to_string(),
-                    timed_out: e.is_timeout(),
-                })?;
-            match stdio::attach(self.agent_socket(), &id, "", &fifos).await {
-                Ok(attached) => Ok((pid, attached)),
-                Err(e) => {
-                    let _ = self.agent.remove_container(&id).await;
-                    Err(e.to_string().into())
-                }
+        let pid = self
+            .agent
+            .create_container(request)
+            .await
+            .map_err(|e| CreateFailure {
+                message: e.to_string(),
+                timed_out: e.is_timeout(),
+            })?;
+        acquired.created = true;
+        // Its stdio.
+        let attached = stdio::attach(self.agent_socket(), &id, "", &fifos)
+            .await
+            .map_err(|e| CreateFailure::from(e.to_string()))?;
+        Ok((pid, attached))
+    }
+
+    /// The one undo of a failed add: what `acquired` marks, in reverse (the container removed
+    /// in the agent, its files unshared, its devices released). Returns the error for the CRI
+    /// user; a create failure quotes the guest console when the agent only timed out.
+    async fn undo_add(&self, id: &str, acquired: Acquired, failure: AddFailure) -> SandboxError {
+        if acquired.created {
+            if let Err(e) = self.agent.remove_container(id).await {
+                log::warn!("container {id}: removing it in the guest after a failed create: {e}");
             }
         }
-        .await;
-        let CreateFailure { message, timed_out } = match created {
-            Ok(done) => return Ok(done),
-            Err(failure) => failure,
-        };
-        if was_shared {
-            self.unshare(&id).await;
+        if acquired.shared {
+            self.unshare(id).await;
         }
-        self.release_devices(&id).await;
+        if acquired.devices {
+            self.release_devices(id).await;
+        }
+        let CreateFailure { message, timed_out } = match failure {
+            AddFailure::Early(e) => return e,
+            AddFailure::Create(f) => f,
+        };
         let tail = self.vm.console_tail(CONSOLE_TAIL_LINES);
         log::warn!("creating container {id} failed: {message}; guest console ends with:\n{tail}");
         // A timeout says nothing by itself: the guest's last words go to the user too.
@@ -145,7 +193,10 @@ impl Sandbox {
         } else {
             message
         };
-        Err(SandboxError::Create { id, detail })
+        SandboxError::Create {
+            id: id.to_string(),
+            detail,
+        }
     }
 
     /// Removes app container `id` from the guest and its files from the shared folder.

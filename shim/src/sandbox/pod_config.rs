@@ -22,9 +22,9 @@ use k8s_cri::v1::{NamespaceMode, PodSandboxConfig};
 use prost::Message;
 use serde_json::{json, Value};
 
+use crate::oci::{ANN_CONTAINER_TYPE, ANN_SANDBOX_ID};
 use crate::resources::cgroup::overhead::{self, Amounts};
 use crate::resources::devices::{POD_NAMESPACE_ANNOTATION, POD_NAME_ANNOTATION};
-use crate::task::bundle::{ANN_CONTAINER_TYPE, ANN_SANDBOX_ID};
 
 use super::spec::{ANN_CPU_PERIOD, ANN_CPU_QUOTA, ANN_MEMORY};
 
@@ -231,7 +231,7 @@ mod tests {
         let p = PodConfig::from_request("sb1", Some(&any(&pod())), "/var/run/netns/cni-1").unwrap();
         assert_eq!(p.spec["linux"]["cgroupsPath"], "/kubepods/pod-u1/sb1");
         assert_eq!(
-            crate::task::bundle::network_namespace(&p.spec).unwrap(),
+            crate::oci::network_namespace(&p.spec).unwrap(),
             std::path::PathBuf::from("/var/run/netns/cni-1")
         );
         assert!(super::super::spec::refuse_host_namespaces(&p.spec).is_none());
@@ -246,7 +246,7 @@ mod tests {
         assert_eq!(p.annotations[POD_NAMESPACE_ANNOTATION], "shop");
         assert_eq!(p.annotations["microvm.io/overhead-memory"], "64Mi");
         assert!(!p.annotations.contains_key("other.io/x"));
-        assert_eq!(crate::task::bundle::annotations(&p.spec), p.annotations);
+        assert_eq!(crate::oci::annotations(&p.spec), p.annotations);
         assert_eq!(
             p.overhead,
             Amounts {

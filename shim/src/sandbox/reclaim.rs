@@ -18,7 +18,6 @@ use std::io::Read;
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::state::{StateDir, StateError};
@@ -245,19 +244,6 @@ pub async fn run_action(pod_id: &str, address: &str) -> i32 {
         let _ = writeln!(std::io::stderr(), "{line}");
     }
     code
-}
-
-/// The daemon's own socket address, once it serves (set by [`crate::task::serve`]).
-static OWN_SOCKET: OnceLock<String> = OnceLock::new();
-
-/// Records the socket this process serves on, for the state directory ([`own_socket`]).
-pub fn set_own_socket(address: &str) {
-    let _ = OWN_SOCKET.set(address.to_string());
-}
-
-/// The socket this process serves on, when it is a shim daemon that serves.
-pub fn own_socket() -> Option<&'static str> {
-    OWN_SOCKET.get().map(String::as_str)
 }
 
 /// Waits up to `wait` for the socket at `address` to stop serving (a shim shutting down still

@@ -37,23 +37,10 @@ use serde_json::Value;
 use crate::config::Config;
 use crate::resources::cgroup::overhead::{self, Amounts};
 
+pub use crate::resources::storage::ShareBind;
 pub use agent_protocol::{
     GUEST_SHARED_DIR, POD_PID_NAMESPACE, PRIVILEGED_ANNOTATION, SHARED_FS_TAG, VOLUME_KEY_OPTION,
 };
-
-/// A host path to bind-mount into the shared directory, at `shared/<relative>`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShareBind {
-    /// The host source of the spec's mount.
-    pub host_source: PathBuf,
-    /// Where under the pod's shared directory it goes.
-    pub relative: PathBuf,
-    /// Whether the spec asks for it read-only.
-    pub readonly: bool,
-    /// Whether the spec asks for mounts made under the host source later to show inside
-    /// (`rslave`/`rshared`: Kubernetes' HostToContainer and Bidirectional propagation).
-    pub from_host: bool,
-}
 
 /// Why a spec cannot be rewritten.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -48,6 +48,7 @@ impl TaskService {
         let config = self.load_config(req.options.as_ref())?;
         self.boot_pod(BootRequest {
             id: &req.id,
+            shim_socket: self.shim_socket.as_deref(),
             spec,
             annotations,
             config,

@@ -144,6 +144,7 @@ impl SandboxService {
             .task
             .boot_pod(BootRequest {
                 id,
+                shim_socket: self.task.shim_socket.as_deref(),
                 spec: &pod.spec,
                 annotations: &pod.annotations,
                 config,

@@ -134,7 +134,6 @@ async fn daemon(
         .register_service(create_task(Arc::new(task)))
         .register_service(create_sandbox(Arc::new(sandbox)));
     server.start().await?;
-    reclaim::set_own_socket(&flags.socket);
     signal_server_started();
     // Pods whose shims died with nobody to reclaim them (sandbox/reclaim.rs), in the background.
     let own_id = flags.id.clone();

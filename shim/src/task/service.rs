@@ -27,7 +27,8 @@ use tokio::sync::Mutex;
 
 use crate::agent::stdio;
 use crate::error::{Error, Result};
-use crate::task::bundle::{self, Role};
+use crate::oci;
+use crate::task::bundle::Role;
 use crate::task::container::{process_name, Containers, Kind};
 use crate::task::events::{self, Events};
 use crate::task::process::timestamp;
@@ -46,22 +47,27 @@ pub struct TaskService {
     pub(crate) events: Events,
     exit: Arc<ExitSignal>,
     pub(super) config_path: Option<PathBuf>,
+    /// The socket this shim serves on, recorded in the pod's state directory at boot.
+    pub(super) shim_socket: Option<String>,
     pub(crate) inner: Arc<Mutex<Containers>>,
 }
 
 impl TaskService {
     /// A service publishing to containerd through `publisher`; `config_path` is the handler's
-    /// `ConfigPath` given to `start` (a Create's own options win over it).
+    /// `ConfigPath` given to `start` (a Create's own options win over it); `shim_socket` is the
+    /// socket it serves on.
     pub fn new(
         namespace: String,
         publisher: RemotePublisher,
         exit: Arc<ExitSignal>,
         config_path: Option<PathBuf>,
+        shim_socket: Option<String>,
     ) -> Self {
         TaskService {
             events: Events::new(publisher, namespace),
             exit,
             config_path,
+            shim_socket,
             inner: Arc::new(Mutex::new(Containers::default())),
         }
     }
@@ -135,9 +141,9 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::CreateTaskRequest,
     ) -> TtrpcResult<api::CreateTaskResponse> {
-        let spec = bundle::read_spec(Path::new(&req.bundle))
+        let spec = oci::read_spec(Path::new(&req.bundle))
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        let annotations = bundle::annotations(&spec);
+        let annotations = oci::annotations(&spec);
         let pid = match Role::from_annotations(&req.id, &annotations) {
             Role::Sandbox => self.create_sandbox(&req, &spec, &annotations).await?,
             Role::App { sandbox_id } => self.create_app(&req, spec, &sandbox_id).await?,

@@ -18,9 +18,10 @@ use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Config, Error, Flags, StartOpts};
 use containerd_shim_protos::api::DeleteResponse;
 
+use crate::oci;
 use crate::sandbox::reclaim::{self, Detached};
 use crate::state::{state_root, StateDir};
-use crate::task::bundle::{self, Role};
+use crate::task::bundle::Role;
 use crate::task::options;
 use crate::task::service::TaskService;
 
@@ -37,6 +38,8 @@ pub struct MicrovmShim {
     namespace: String,
     bundle: PathBuf,
     exit: Arc<ExitSignal>,
+    /// The socket the daemon serves on (`-socket`), recorded in each pod's state directory.
+    socket: Option<String>,
 }
 
 #[async_trait]
@@ -54,6 +57,7 @@ impl Shim for MicrovmShim {
             namespace: args.namespace.clone(),
             bundle,
             exit: Arc::new(ExitSignal::default()),
+            socket: Some(args.socket.clone()).filter(|s| !s.is_empty()),
         }
     }
 
@@ -74,8 +78,8 @@ impl Shim for MicrovmShim {
         // containerd 2.x's Sandbox API (`sandboxer = "shim"`) starts a pod's shim with a bundle
         // without a spec: the pod itself (CreateSandbox follows on the socket).
         let pod_id = if self.bundle.join("config.json").exists() {
-            let spec = bundle::read_spec(&self.bundle).map_err(|e| Error::Other(e.to_string()))?;
-            let role = Role::from_annotations(&opts.id, &bundle::annotations(&spec));
+            let spec = oci::read_spec(&self.bundle).map_err(|e| Error::Other(e.to_string()))?;
+            let role = Role::from_annotations(&opts.id, &oci::annotations(&spec));
             role.pod_id(&opts.id).to_string()
         } else {
             opts.id.clone()
@@ -92,9 +96,9 @@ impl Shim for MicrovmShim {
     async fn delete_shim(&mut self) -> Result<DeleteResponse, Error> {
         // Runs after the ttrpc connection closed. A pod whose shim still runs is left alone
         // (its VM may run other containers); a pod whose shim is gone is cleaned up whole.
-        let pod_id = bundle::read_spec(&self.bundle)
+        let pod_id = oci::read_spec(&self.bundle)
             .map(|spec| {
-                Role::from_annotations(&self.id, &bundle::annotations(&spec))
+                Role::from_annotations(&self.id, &oci::annotations(&spec))
                     .pod_id(&self.id)
                     .to_string()
             })
@@ -157,6 +161,7 @@ impl Shim for MicrovmShim {
             publisher,
             self.exit.clone(),
             config_path,
+            self.socket.clone(),
         )
     }
 }
