@@ -1048,7 +1048,7 @@ fn reset_forgets_inodes_and_serves_again() {
     assert!(g.lookup(ROOT_ID, "f").is_ok());
 }
 
-// ---- Host-side file safety (policy.rs): what a hostile guest could plant on the host ----
+// ---- Host-side file safety (policy/): what a hostile guest could plant on the host ----
 
 /// `new_encode_dev(major, minor)`: how a Linux guest puts a device number in MKNOD.
 fn guest_dev(major: u32, minor: u32) -> u32 {
