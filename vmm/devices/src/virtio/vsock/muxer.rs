@@ -9,7 +9,7 @@
 //! whenever the guest has posted RX buffers.
 //!
 //! What happens inside one connection (the handshake, credit flow control, the buffered data)
-//! is [`super::connection`]'s; the muxer dispatches events and packets to it and carries out
+//! is the `connection` module's; the muxer dispatches events and packets to it and carries out
 //! what it asks: keep it polled for the events it wants, queue it for RX buffers, or remove it
 //! (with a RST for the guest). It also enforces the limits that span connections: at most
 //! `max_connections` of them, and a bounded queue of stray replies.
