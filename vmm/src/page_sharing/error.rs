@@ -1,6 +1,6 @@
 //! The errors of page sharing ([`PageSharingError`]) and the helper that wraps an I/O error
-//! with what was being done. Every file of the folder reports through it; it imports none of
-//! them.
+//! with what was being done. The files of the folder that can fail report through it; it
+//! imports none of them.
 
 use std::path::PathBuf;
 

@@ -12,6 +12,7 @@ pub(super) struct Vma {
     file: bool,
 }
 
+/// The process's mappings, sorted by start (lines it cannot read are left out).
 pub(super) fn read_maps() -> Result<Vec<Vma>, PageSharingError> {
     let text = std::fs::read_to_string("/proc/self/maps").map_err(io("read /proc/self/maps"))?;
     let mut v = Vec::new();
@@ -38,6 +39,7 @@ pub(super) fn read_maps() -> Result<Vec<Vma>, PageSharingError> {
     Ok(v)
 }
 
+/// Whether `addr` lies in a mapping of a file (`vmas` from [`read_maps`]).
 pub(super) fn in_file_mapping(vmas: &[Vma], addr: u64) -> bool {
     let i = vmas.partition_point(|m| m.start <= addr);
     i > 0 && vmas[i - 1].end > addr && vmas[i - 1].file
