@@ -1,5 +1,5 @@
 //! virtio-fs: FUSE requests through the real device (`vmm_devices::virtio::fs::VirtioFs`): its
-//! chain checks, fuse-backend-rs's server and the host-safety policy (`fs/policy.rs`) in front
+//! chain checks, fuse-backend-rs's server and the host-safety policy (`fs/policy/`) in front
 //! of the passthrough, on a scratch share as host root.
 //!
 //! Each input starts from the same share (a file, a directory, a symlink out of the share, a

@@ -12,19 +12,23 @@
 //!   `<uds_path>_<P>`; if nothing listens there the guest gets a `RST`.
 //!
 //! Files: [`packet`] parses the guest's descriptor chains (bounds-checked, no KVM needed),
-//! [`muxer`] is the host side (listener, connections, credit flow control), [`device`] the
-//! [`VirtioDevice`](super::VirtioDevice) with its three queues, `event_handler` the glue to the
-//! device event loop.
+//! [`muxer`] is the host side (listener, the connections by token and port pair, event and
+//! packet dispatch, connection limit), `connection` one connection's state machine with its
+//! credit flow control, `uds` the Unix-socket path limit and non-blocking connect, [`device`]
+//! the [`VirtioDevice`](super::VirtioDevice) with its three queues, `event_handler` the glue to
+//! the device event loop.
 //!
 //! The guest is hostile: every descriptor is checked by virtio-queue and vm-memory, packet data
 //! is bounded by [`MAX_PKT_DATA`], a connection buffers at most [`CONN_BUF_ALLOC`] bytes for the
 //! host (the credit it advertised; a guest exceeding it is reset), and the number of connections
 //! is bounded.
 
+mod connection;
 pub mod device;
 mod event_handler;
 pub mod muxer;
 pub mod packet;
+mod uds;
 
 use std::time::Duration;
 

@@ -113,6 +113,14 @@ pub struct TxPacket {
     pub data: Vec<u8>,
 }
 
+/// A packet for the guest (RX queue), made by the host side (the muxer and its connections).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RxPacket {
+    /// The header; `len` is set when it is written to the guest.
+    pub hdr: VsockHeader,
+    pub data: Vec<u8>,
+}
+
 /// Reads the packet held by the device-readable part of a TX chain.
 pub fn read_tx_packet<M>(
     mem: &GuestMemory,
