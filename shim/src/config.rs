@@ -2,7 +2,8 @@
 //! file (`ConfigPath` in the runtime options, else `/etc/microvm/config.toml`). Unknown keys are
 //! errors, so a typo fails the pod with a message instead of being silently ignored.
 //!
-//! How a pod's VM is sized from it and the pod's annotations is `sandbox::spec::vm_size`.
+//! How a pod's VM is sized from it and the pod's annotations is `sandbox::spec::vm_size`. The
+//! `[qemu]` table and its defaults are [`qemu`]'s; the config imports nothing of `vm`.
 
 use std::path::{Path, PathBuf};
 
@@ -25,7 +26,7 @@ pub enum Hypervisor {
     /// The embedded VMM where `microvm check-host` says the guest kernel boots under this
     /// host's KVM; elsewhere the QEMU backend where QEMU can use KVM, or on software emulation
     /// (TCG) only with `allow_software_emulation`; else the pod fails with check-host's reason
-    /// (`host_check::choose_backend`; the default).
+    /// (`vm::choose_backend`; the default).
     #[default]
     Auto,
     /// The embedded VMM on /dev/kvm; a host that cannot boot the guest under it fails the pod
