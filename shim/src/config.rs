@@ -2,11 +2,16 @@
 //! file (`ConfigPath` in the runtime options, else `/etc/microvm/config.toml`). Unknown keys are
 //! errors, so a typo fails the pod with a message instead of being silently ignored.
 //!
-//! How a pod's VM is sized from it and the pod's annotations is `sandbox::spec::vm_size`.
+//! How a pod's VM is sized from it and the pod's annotations is `sandbox::spec::vm_size`. The
+//! `[qemu]` table and its defaults are [`qemu`]'s; the config imports nothing of `vm`.
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+
+pub mod qemu;
+
+pub use qemu::QemuSettings;
 
 /// Where the config is read from when the runtime options name none.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/microvm/config.toml";
@@ -21,7 +26,7 @@ pub enum Hypervisor {
     /// The embedded VMM where `microvm check-host` says the guest kernel boots under this
     /// host's KVM; elsewhere the QEMU backend where QEMU can use KVM, or on software emulation
     /// (TCG) only with `allow_software_emulation`; else the pod fails with check-host's reason
-    /// (`host_check::choose_backend`; the default).
+    /// (`vm::choose_backend`; the default).
     #[default]
     Auto,
     /// The embedded VMM on /dev/kvm; a host that cannot boot the guest under it fails the pod
@@ -175,35 +180,6 @@ impl Default for DevicesSettings {
     }
 }
 
-/// Settings of the QEMU backend.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct QemuSettings {
-    /// The QEMU binary.
-    pub binary: PathBuf,
-    /// The vhost-device-vsock binary.
-    pub vhost_vsock_binary: PathBuf,
-    /// The Rust virtiofsd binary (scripts/install-virtiofsd.sh); QEMU 7.2's C virtiofsd is not
-    /// supported.
-    pub virtiofsd_binary: PathBuf,
-    /// The first id of the uid/gid range the QEMU backend's guest-facing processes (QEMU,
-    /// vhost-device-vsock) run as: each pod's are `jail_id_base + its shim's pid`, a range of
-    /// `vm::qemu::JAIL_ID_RANGE` ids that need no passwd entry and that nothing else on the
-    /// node may use.
-    pub jail_id_base: u32,
-}
-
-impl Default for QemuSettings {
-    fn default() -> Self {
-        QemuSettings {
-            binary: PathBuf::from(crate::vm::qemu::DEFAULT_QEMU),
-            vhost_vsock_binary: crate::vm::qemu::default_vhost_vsock_binary(),
-            virtiofsd_binary: crate::vm::qemu::default_virtiofsd_binary(),
-            jail_id_base: crate::vm::qemu::DEFAULT_JAIL_ID_BASE,
-        }
-    }
-}
-
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -305,11 +281,11 @@ impl Config {
                  {MAX_BLOCK_SLOTS}"
             ));
         }
-        if crate::vm::qemu::jail_id(self.qemu.jail_id_base).is_none() {
+        if qemu::jail_id(self.qemu.jail_id_base).is_none() {
             return Err(format!(
                 "qemu.jail_id_base {} must be at least 1 and leave room for {} ids below {}",
                 self.qemu.jail_id_base,
-                crate::vm::qemu::JAIL_ID_RANGE,
+                qemu::JAIL_ID_RANGE,
                 u32::MAX
             ));
         }

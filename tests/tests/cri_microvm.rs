@@ -301,7 +301,7 @@ async fn auto_backend_refuses_software_emulation_without_the_opt_in_and_runs_wit
     let _serial = SERIAL.lock().await;
     let kernel = repo().join("build/vmlinux");
     let report = shim::host_check::probe(Some(&kernel));
-    let refused = shim::host_check::choose_backend(&report, Hypervisor::Auto, false).is_err();
+    let refused = shim::vm::choose_backend(&report, Hypervisor::Auto, false).is_err();
     let warning = "the guest runs under software emulation, which is no security boundary";
 
     let dir = tempfile::tempdir().unwrap();

@@ -24,7 +24,7 @@ use shim::agent::AgentClient;
 use shim::artifacts;
 use shim::config::Hypervisor;
 use shim::host_check::{self, HostReport};
-use shim::vm::{new_work_dir, GuestSpec, GuestVm};
+use shim::vm::{choose_backend, new_work_dir, BackendChoice, GuestSpec, GuestVm};
 
 #[derive(Parser)]
 #[command(name = "microvm", version, about = "microvm: pods in KVM microVMs")]
@@ -252,7 +252,7 @@ fn check_host(kernel: Option<PathBuf>, json: bool) -> Result<ExitCode> {
     }))
 }
 
-/// The backend `--backend` asks for, by the shim's own rule (`host_check::choose_backend`, as
+/// The backend `--backend` asks for, by the shim's own rule (`vm::choose_backend`, as
 /// for the config's `hypervisor`): `kvm` refused, fast and with the reason, where the host
 /// cannot boot the guest under the embedded VMM; QEMU's software emulation refused unless
 /// `--allow-software-emulation`.
@@ -260,18 +260,15 @@ fn backend_for(
     backend: BackendArg,
     allow_software_emulation: bool,
     report: &HostReport,
-) -> Result<host_check::BackendChoice> {
+) -> Result<BackendChoice> {
     let hypervisor = match backend {
         BackendArg::Qemu => Hypervisor::Qemu,
         BackendArg::Auto => Hypervisor::Auto,
         BackendArg::Kvm => Hypervisor::Kvm,
     };
-    let choice =
-        host_check::choose_backend(report, hypervisor, allow_software_emulation).map_err(|e| {
-            anyhow!(
-                "{e} (microvm check-host says more; the flag here is --allow-software-emulation)"
-            )
-        })?;
+    let choice = choose_backend(report, hypervisor, allow_software_emulation).map_err(|e| {
+        anyhow!("{e} (microvm check-host says more; the flag here is --allow-software-emulation)")
+    })?;
     if backend == BackendArg::Auto || choice.software_emulation() {
         eprintln!("microvm: backend -> {choice}");
     }

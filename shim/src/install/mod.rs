@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, Hypervisor};
 use crate::host_check::{self, HostReport};
-use crate::vm::Backend;
+use crate::vm::{choose_backend, Backend};
 use containerd_config::{ConfigVersion, HandlerSettings};
 
 /// The shim's binary name (containerd derives it from the runtime type).
@@ -134,19 +134,18 @@ pub struct InstallReport {
     pub lines: Vec<String>,
 }
 
-/// The backend check-host's verdict picks (`host_check::choose_backend` for `auto`), whether it
+/// The backend check-host's verdict picks (`vm::choose_backend` for `auto`), whether it
 /// is software emulation, or why this host cannot run pods at all.
 fn choose(
     report: &HostReport,
     opts: &InstallOptions,
 ) -> Result<(Hypervisor, String, bool), InstallError> {
     let choice =
-        host_check::choose_backend(report, Hypervisor::Auto, opts.allow_software_emulation)
-            .map_err(|e| {
-                InstallError::HostCannotRun(format!(
-                    "{e}; `microvm install --allow-software-emulation` installs it so"
-                ))
-            })?;
+        choose_backend(report, Hypervisor::Auto, opts.allow_software_emulation).map_err(|e| {
+            InstallError::HostCannotRun(format!(
+                "{e}; `microvm install --allow-software-emulation` installs it so"
+            ))
+        })?;
     if choice.backend == Backend::Kvm {
         return Ok((
             Hypervisor::Kvm,

@@ -1,7 +1,8 @@
 //! A pod's boot, every step in order ([`Sandbox::boot`]):
 //!
-//! 1. the VM backend: the config's choice, checked against this host (`host_check`); QEMU's
-//!    software emulation only where the config allows it, with a warning;
+//! 1. the VM backend: the config's choice, checked against one probe of this host
+//!    (`vm::choose_pod_backend`, off the async threads); QEMU's software emulation only where
+//!    the config allows it, with a warning;
 //! 2. the VM's size, from the pod's annotations ([`spec::vm_size`]);
 //! 3. the pod's state directory, which records the shim's pid (crash cleanup starts here);
 //! 4. the host cgroup: `<pod cgroup>/microvm-<id>` under the parent of the spec's
@@ -38,15 +39,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::agent::{AgentClient, AgentError};
-use crate::config::{Config, Hypervisor};
-use crate::host_check::{self, BackendChoice};
+use crate::config::Config;
 use crate::resources::cgroup::overhead::{Amounts, Defaults};
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, SetupRequest};
 use crate::resources::{devices, network, storage};
 use crate::state::{state_root, StateDir};
 use crate::vm::qemu::Accel;
 use crate::vm::thread::{BootError, VmThread};
-use crate::vm::{Backend, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir};
+use crate::vm::{Backend, BackendChoice, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir};
 
 use super::{release_host_resources, spec, Sandbox, SandboxError};
 
@@ -122,8 +122,9 @@ impl Sandbox {
     pub async fn boot(req: BootRequest<'_>) -> Result<Sandbox, SandboxError> {
         let id = req.id;
         let config = &req.config;
-        // 1. The backend, and 2. the size: nothing is acquired yet.
-        let choice = choose_backend(id, config)?;
+        // 1. The backend (the host probed once, off the async threads), and 2. the size:
+        // nothing is acquired yet.
+        let choice = crate::vm::choose_pod_backend(id, config).await?;
         let size = spec::vm_size(config, req.annotations).map_err(SandboxError::Size)?;
         // 3. The state directory: from here on, every step's failure is undone by `undo_boot`.
         let state = StateDir::new(&state_root(), id).map_err(SandboxError::StateName)?;
@@ -413,28 +414,6 @@ fn host_cgroup(
     })?;
     log::info!("sandbox {id}: {}", cg.describe());
     Ok(Some(cg))
-}
-
-/// Step 1: the config's hypervisor on this host (`host_check::choose_backend`): the backend
-/// and, for QEMU, its accelerator. Software emulation is logged at warn, once per pod.
-fn choose_backend(id: &str, config: &Config) -> Result<BackendChoice, SandboxError> {
-    let report = host_check::probe(Some(&config.kernel));
-    let choice =
-        host_check::choose_backend(&report, config.hypervisor, config.allow_software_emulation)?;
-    let name = match config.hypervisor {
-        Hypervisor::Auto => "auto",
-        Hypervisor::Kvm => "kvm",
-        Hypervisor::Qemu => "qemu",
-    };
-    if choice.software_emulation() {
-        log::warn!(
-            "sandbox {id}: hypervisor {name} -> {choice}: the guest runs under software \
-             emulation, which is no security boundary (allowed by allow_software_emulation)"
-        );
-    } else {
-        log::info!("sandbox {id}: hypervisor {name} -> {choice}");
-    }
-    Ok(choice)
 }
 
 /// Step 10: the agent, reachable now that it reported ready, answers Check.

@@ -44,7 +44,7 @@ pub enum SandboxError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
-    Backend(#[from] crate::host_check::BackendRefusal),
+    Backend(#[from] crate::vm::PodBackendError),
     #[error("{0}")]
     Size(String),
     #[error("{0}")]

@@ -14,7 +14,9 @@ use vmm::jail::split::{
     VmDescription, VmmProcess, VsockDescription,
 };
 
-use super::{DiskBacking, GuestSpec, GuestVmError, CONSOLE_LOG_BYTES, GUEST_CID};
+use super::console::CONSOLE_LOG_BYTES;
+use super::error::GuestVmError;
+use super::spec::{DiskBacking, GuestSpec, GUEST_CID};
 
 /// How long the VMM process may take from its start to a running VM.
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);

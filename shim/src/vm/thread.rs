@@ -14,7 +14,11 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::{oneshot, watch};
 
-use super::{console_log_in, console_tail, Backend, EndReason, GuestSpec, GuestVm, VmEnd};
+use super::backend::Backend;
+use super::console::{console_log_in, console_tail};
+use super::end::{EndReason, VmEnd};
+use super::guest::GuestVm;
+use super::spec::GuestSpec;
 
 /// How long the agent may take to report ready after the VM started.
 pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(60);

@@ -8,8 +8,19 @@ use std::sync::OnceLock;
 use std::thread;
 use std::time::Duration;
 
-use super::process::VmPaths;
-use super::{disk_fd, Accel, QemuConfig, CONSOLE_FD, DEFAULT_HZ, NIC_FD_BASE};
+use super::config::{disk_fd, Accel, QemuConfig, CONSOLE_FD, NIC_FD_BASE};
+use super::paths::VmPaths;
+
+/// The kernel's default `CONFIG_HZ` (Kconfig `HZ_250`), used when the kernel's config is not
+/// found beside it.
+const DEFAULT_HZ: u64 = 250;
+
+/// QEMU's seccomp filter (`-sandbox`): the obsolete system calls, spawning processes and
+/// changing scheduling or resource limits are refused. `elevateprivileges=deny` is left out: it
+/// also refuses the set*id calls of QEMU's own `-runas`, which kill QEMU (SIGSYS) at its drop to
+/// the jail id; after that drop QEMU has no capability, every uid and gid it holds is the jail
+/// id and `no_new_privs` is set, so a set*id call can gain nothing.
+pub const QEMU_SANDBOX: &str = "on,obsolete=deny,spawn=deny,resourcecontrol=deny";
 
 /// `console=ttyS0 reboot=t panic=-1 tsc_early_khz=… lpj=…` plus the caller's extra.
 ///
@@ -51,9 +62,9 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
         "-nographic",
         "-no-reboot",
     ]);
-    match cfg.accel.resolve() {
+    match cfg.accel {
         Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
-        _ => push(&["-accel", "tcg"]),
+        Accel::Tcg => push(&["-accel", "tcg"]),
     }
     // Confined before the guest runs: the seccomp filter from the start, then, once QEMU has
     // opened everything on this command line (kernel, initrd, /dev/kvm, the vhost-user
@@ -62,7 +73,7 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
     let chroot = paths.jail_root.display().to_string();
     push(&[
         "-sandbox",
-        super::QEMU_SANDBOX,
+        QEMU_SANDBOX,
         "-runas",
         &runas,
         "-chroot",
@@ -214,4 +225,141 @@ pub(super) fn kernel_hz(kernel: &Path) -> Option<u64> {
         .find_map(|l| l.strip_prefix("CONFIG_HZ="))
         .and_then(|v| v.trim().parse().ok())
         .filter(|hz: &u64| *hz > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+
+    use super::super::config::{QemuDisk, QemuSharedFs, MAX_NICS};
+    use super::*;
+    use crate::vm::qemu::test_support::{cfg_in, temp_dir};
+
+    #[test]
+    fn cmdline_has_timing_and_extra() {
+        let d = temp_dir("cmdline");
+        let mut c = cfg_in(&d);
+        c.cmdline_extra = " quiet ".into();
+        let line = kernel_cmdline(&c);
+        assert!(line.starts_with("console=ttyS0 reboot=t panic=-1 tsc_early_khz="));
+        assert!(line.ends_with(" quiet"), "{line}");
+        let khz = host_tsc_khz();
+        assert!(
+            (100_000..20_000_000).contains(&khz),
+            "implausible TSC {khz} kHz"
+        );
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn reads_hz_beside_the_kernel() {
+        let d = temp_dir("hz");
+        fs::write(d.join("vmlinux"), b"x").unwrap();
+        fs::write(d.join("config"), "CONFIG_X=y\nCONFIG_HZ=100\n").unwrap();
+        assert_eq!(kernel_hz(&d.join("vmlinux")), Some(100));
+        fs::remove_file(d.join("config")).unwrap();
+        assert_eq!(kernel_hz(&d.join("vmlinux")), None);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn disks_are_passed_as_fds_with_their_serial_and_mode() {
+        let dir = temp_dir("disks");
+        let mut cfg = cfg_in(&dir);
+        let file = |name: &str| {
+            let p = dir.join(name);
+            fs::write(&p, [0u8; 512]).unwrap();
+            std::sync::Arc::new(fs::File::open(&p).unwrap())
+        };
+        cfg.disks = vec![
+            QemuDisk {
+                serial: "microvm-cold0".into(),
+                file: file("a.img"),
+                read_only: false,
+            },
+            QemuDisk {
+                serial: "microvm-cold1".into(),
+                file: file("b.img"),
+                read_only: true,
+            },
+        ];
+        cfg.validate().unwrap();
+        let paths = VmPaths::new(&cfg).unwrap();
+        let args = qemu_args(&cfg, &paths, "console=ttyS0").join(" ");
+        let (fd0, fd1) = (disk_fd(0), disk_fd(1));
+        assert!(
+            args.contains(&format!(
+                "-add-fd fd={fd0},set=1 -blockdev driver=file,node-name=disk0,\
+                 filename=/dev/fdset/1,read-only=off -device \
+                 virtio-blk-device,drive=disk0,serial=microvm-cold0"
+            )),
+            "{args}"
+        );
+        assert!(args.contains(&format!("-add-fd fd={fd1},set=2")), "{args}");
+        assert!(
+            args.contains("filename=/dev/fdset/2,read-only=on"),
+            "{args}"
+        );
+        assert!(fd0 >= NIC_FD_BASE + MAX_NICS as std::os::fd::RawFd);
+        for bad in ["", "a,b", "x=y", &"s".repeat(21)] {
+            cfg.disks[0].serial = bad.to_string();
+            assert!(cfg.validate().is_err(), "{bad:?}");
+        }
+        paths.remove_all();
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn free_page_reporting_adds_the_balloon_after_the_disks() {
+        let dir = temp_dir("balloon");
+        let mut cfg = cfg_in(&dir);
+        cfg.validate().unwrap();
+        let paths = VmPaths::new(&cfg).unwrap();
+        let balloon = "-device virtio-balloon-device,free-page-reporting=on";
+        let args = qemu_args(&cfg, &paths, "console=ttyS0").join(" ");
+        assert!(!args.contains("virtio-balloon"), "{args}");
+        cfg.free_page_reporting = true;
+        let args = qemu_args(&cfg, &paths, "console=ttyS0").join(" ");
+        assert!(args.contains(balloon), "{args}");
+        assert!(
+            args.find(balloon) < args.find("-serial"),
+            "before the console and kernel: {args}"
+        );
+        paths.remove_all();
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn commas_in_paths_are_escaped() {
+        assert_eq!(qemu_opt_escape(Path::new("/a,b/s")), "/a,,b/s");
+    }
+
+    #[test]
+    fn shared_fs_adds_the_vhost_user_fs_device_and_checks_its_tag() {
+        let dir = temp_dir("shared-fs");
+        let mut cfg = cfg_in(&dir);
+        cfg.shared_fs = Some(QemuSharedFs {
+            tag: "microvm-shared".into(),
+            host_dir: dir.clone(),
+        });
+        cfg.validate().unwrap();
+        let paths = VmPaths::new(&cfg).unwrap();
+        let args = qemu_args(&cfg, &paths, "console=ttyS0").join(" ");
+        assert!(
+            args.contains("-device vhost-user-fs-device,chardev=fs0,tag=microvm-shared"),
+            "{args}"
+        );
+        assert!(args.contains("virtiofsd.sock"), "{args}");
+        for bad in ["", "a,b", &"t".repeat(37)] {
+            cfg.shared_fs.as_mut().unwrap().tag = bad.to_string();
+            assert!(cfg.validate().is_err(), "{bad:?}");
+        }
+        cfg.shared_fs = Some(QemuSharedFs {
+            tag: "t".into(),
+            host_dir: dir.join("missing"),
+        });
+        assert!(cfg.validate().is_err());
+        paths.remove_all();
+        let _ = fs::remove_dir_all(&dir);
+    }
 }

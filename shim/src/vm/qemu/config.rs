@@ -6,7 +6,20 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Accel, QemuError};
+use crate::config::qemu::{default_virtiofsd_binary, jail_id, DEFAULT_JAIL_ID_BASE, DEFAULT_QEMU};
+
+use super::error::QemuError;
+
+/// Which accelerator QEMU uses: what `vm::backend::choose_backend` decided for this host
+/// (`vm::backend::qemu_accel_for`), passed down with the VM so that the backend never probes
+/// the host itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// `-accel kvm -cpu host`.
+    Kvm,
+    /// `-accel tcg`: software emulation, works everywhere.
+    Tcg,
+}
 
 /// What to boot and how. [`QemuConfig::new`] fills in the defaults.
 #[derive(Debug, Clone)]
@@ -29,7 +42,7 @@ pub struct QemuConfig {
     pub work_dir: PathBuf,
     /// The guest's vsock CID (default 3).
     pub guest_cid: u32,
-    /// Default [`Accel::Auto`].
+    /// Default [`Accel::Kvm`]; the shim passes what `vm::backend::choose_backend` decided.
     pub accel: Accel,
     /// Where the guest's serial console goes (with `<path>.1`, a bounded pair:
     /// `vmm::console_log`); kept after the VM ends. `None`: a file in the work dir, removed
@@ -42,7 +55,7 @@ pub struct QemuConfig {
     pub start_timeout: Duration,
     /// A host directory exported to the guest over virtio-fs (served by `virtiofsd`).
     pub shared_fs: Option<QemuSharedFs>,
-    /// The Rust virtiofsd binary (default [`super::default_virtiofsd_binary`]:
+    /// The Rust virtiofsd binary (default `config::qemu::default_virtiofsd_binary`:
     /// scripts/install-virtiofsd.sh installs it). QEMU 7.2's C virtiofsd takes other options
     /// and is not supported.
     pub virtiofsd_binary: PathBuf,
@@ -55,7 +68,7 @@ pub struct QemuConfig {
     pub free_page_reporting: bool,
     /// The uid and gid QEMU and vhost-device-vsock run as once set up (QEMU's `-runas`, after it
     /// opened everything; vhost-device-vsock from its start). Never 0. Default:
-    /// [`super::jail_id`] of [`super::DEFAULT_JAIL_ID_BASE`].
+    /// [`jail_id`] of [`DEFAULT_JAIL_ID_BASE`].
     pub jail_id: u32,
     /// The binary run as the VM's init (`<binary> __pod-init`, [`super::init`]): PID 1 of the
     /// PID namespace the VM's processes run in, which dies with the process that started the
@@ -117,10 +130,10 @@ pub struct QemuSharedFs {
 }
 
 impl QemuConfig {
-    /// A config with the defaults: 1 vCPU, 256 MiB, CID 3, [`Accel::Auto`].
+    /// A config with the defaults: 1 vCPU, 256 MiB, CID 3, [`Accel::Kvm`].
     #[expect(
         clippy::expect_used,
-        reason = "jail_id(DEFAULT_JAIL_ID_BASE) is Some: qemu::tests checks it"
+        reason = "jail_id(DEFAULT_JAIL_ID_BASE) is Some: qemu::config::tests checks it"
     )]
     pub fn new(
         kernel: impl Into<PathBuf>,
@@ -134,11 +147,11 @@ impl QemuConfig {
             vcpus: 1,
             memory_mib: 256,
             cmdline_extra: String::new(),
-            qemu_binary: PathBuf::from(super::DEFAULT_QEMU),
+            qemu_binary: PathBuf::from(DEFAULT_QEMU),
             vhost_vsock_binary: vhost_vsock_binary.into(),
             work_dir: work_dir.into(),
             guest_cid: 3,
-            accel: Accel::Auto,
+            accel: Accel::Kvm,
             console_log: None,
             console_log_bytes: vmm::console_log::DEFAULT_CONSOLE_LOG_BYTES,
             start_timeout: Duration::from_secs(60),
@@ -146,9 +159,8 @@ impl QemuConfig {
             nics: Vec::new(),
             disks: Vec::new(),
             free_page_reporting: false,
-            virtiofsd_binary: super::default_virtiofsd_binary(),
-            jail_id: super::jail_id(super::DEFAULT_JAIL_ID_BASE)
-                .expect("the default jail id range fits"),
+            virtiofsd_binary: default_virtiofsd_binary(),
+            jail_id: jail_id(DEFAULT_JAIL_ID_BASE).expect("the default jail id range fits"),
             init_binary: PathBuf::from(super::init::DEFAULT_BINARY),
         }
     }
@@ -229,5 +241,28 @@ impl QemuConfig {
             })?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::qemu::JAIL_ID_RANGE;
+
+    #[test]
+    fn jail_ids_are_the_base_plus_the_pid_and_never_root_or_minus_one() {
+        let pid = std::process::id();
+        assert_eq!(jail_id(5), Some(5 + pid));
+        assert_eq!(jail_id(0), None);
+        assert_eq!(jail_id(u32::MAX - JAIL_ID_RANGE), None);
+        assert_eq!(
+            jail_id(u32::MAX - JAIL_ID_RANGE - 1),
+            Some(u32::MAX - JAIL_ID_RANGE - 1 + pid)
+        );
+        let mut cfg = QemuConfig::new("/k", "/i", "/v", "/w");
+        assert_eq!(cfg.jail_id, DEFAULT_JAIL_ID_BASE + pid);
+        cfg.jail_id = 0;
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("jail_id"), "{e}");
     }
 }

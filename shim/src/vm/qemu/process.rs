@@ -1,5 +1,5 @@
-//! The QEMU backend's processes and files: the work dir's sockets and logs ([`VmPaths`]),
-//! the guest console's copy into a bounded log ([`ConsolePump`]), children tied to the
+//! The QEMU backend's child processes: the guest console's copy into a bounded log
+//! ([`ConsolePump`]), the fds QEMU gets, helpers confined ([`confine_helper`]) and tied to the
 //! spawning thread, and their bounded termination.
 
 use std::fs::{self, File};
@@ -8,7 +8,7 @@ use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,210 +17,16 @@ use std::time::{Duration, Instant};
 
 use vmm::console_log::ConsoleLog;
 
-use super::{
-    disk_fd, QemuConfig, QemuDisk, QemuError, QemuNic, CONSOLE_FD, MAX_DISKS, MAX_NICS,
-    MAX_SOCKET_PATH, NIC_FD_BASE, POLL, TERM_GRACE,
-};
+use super::config::{disk_fd, QemuDisk, QemuNic, CONSOLE_FD, MAX_DISKS, MAX_NICS, NIC_FD_BASE};
+use super::error::QemuError;
+
+/// How often child processes and files are polled while waiting.
+pub(super) const POLL: Duration = Duration::from_millis(10);
+/// How long a child gets to exit after SIGTERM before it gets SIGKILL.
+const TERM_GRACE: Duration = Duration::from_secs(3);
 
 /// How long a dropped [`ConsolePump`] lets its thread copy what QEMU left in the socket.
 const CONSOLE_DRAIN: Duration = Duration::from_secs(1);
-
-/// The files of one VM in its work dir.
-#[derive(Debug, Clone)]
-pub(super) struct VmPaths {
-    /// vhost-user control socket between QEMU and vhost-device-vsock.
-    pub(super) vhost_socket: PathBuf,
-    /// The hybrid-vsock host socket.
-    pub(super) vsock_uds: PathBuf,
-    /// vhost-user socket between QEMU and virtiofsd.
-    pub(super) virtiofs_socket: PathBuf,
-    /// The pid file virtiofsd writes (and locks) beside its socket.
-    pub(super) virtiofsd_pid_file: PathBuf,
-    pub(super) qemu_stderr: PathBuf,
-    pub(super) backend_stderr: PathBuf,
-    pub(super) virtiofsd_stderr: PathBuf,
-    pub(super) console_log: PathBuf,
-    /// The folder of the two vsock sockets and the caller's `<uds>_<port>` listeners, handed to
-    /// the VM's jail id ([`super::vsock_uds_in`]).
-    pub(super) vsock_dir: PathBuf,
-    /// QEMU's chroot: an empty, root-owned, read-only folder.
-    pub(super) jail_root: PathBuf,
-    /// Whether `console_log` is ours to remove.
-    pub(super) console_is_ours: bool,
-    pub(super) work_dir: PathBuf,
-    /// Whether we created the work dir (then it is removed when empty).
-    pub(super) work_dir_is_ours: bool,
-}
-
-impl VmPaths {
-    pub(super) fn new(cfg: &QemuConfig) -> Result<Self, QemuError> {
-        let work_dir_is_ours = !cfg.work_dir.exists();
-        fs::create_dir_all(&cfg.work_dir).map_err(|source| QemuError::CreateFile {
-            path: cfg.work_dir.clone(),
-            source,
-        })?;
-        let console_is_ours = cfg.console_log.is_none();
-        let vsock_uds = super::vsock_uds_in(&cfg.work_dir);
-        let vsock_dir = cfg.work_dir.join(super::VSOCK_DIR);
-        let paths = VmPaths {
-            vhost_socket: vsock_dir.join("vhost-user.sock"),
-            vsock_uds,
-            virtiofs_socket: cfg.work_dir.join("virtiofsd.sock"),
-            virtiofsd_pid_file: cfg.work_dir.join("virtiofsd.sock.pid"),
-            qemu_stderr: cfg.work_dir.join("qemu.stderr"),
-            backend_stderr: cfg.work_dir.join("vhost-device-vsock.stderr"),
-            virtiofsd_stderr: cfg.work_dir.join("virtiofsd.stderr"),
-            console_log: cfg
-                .console_log
-                .clone()
-                .unwrap_or_else(|| cfg.work_dir.join("console.log")),
-            console_is_ours,
-            jail_root: cfg.work_dir.join("qemu-root"),
-            vsock_dir,
-            work_dir: cfg.work_dir.clone(),
-            work_dir_is_ours,
-        };
-        for sock in [
-            &paths.vhost_socket,
-            &paths.vsock_uds,
-            &paths.virtiofs_socket,
-        ] {
-            let len = sock.as_os_str().len();
-            if len > MAX_SOCKET_PATH {
-                paths.remove_all();
-                return Err(QemuError::SocketPathTooLong {
-                    path: sock.clone(),
-                    len,
-                });
-            }
-        }
-        // Leftovers of a VM that died with its parent: the sockets are re-created below.
-        for stale in [
-            &paths.vhost_socket,
-            &paths.vsock_uds,
-            &paths.virtiofs_socket,
-            &paths.virtiofsd_pid_file,
-        ] {
-            let _ = fs::remove_file(stale);
-        }
-        if let Err(e) = paths.make_folders() {
-            paths.remove_all();
-            return Err(e);
-        }
-        Ok(paths)
-    }
-
-    /// The vsock folder (root's until [`VmPaths::hand_vsock_dir_to`]) and QEMU's empty chroot
-    /// (0555, root's: QEMU, once it is the jail id, can neither write nor leave it).
-    fn make_folders(&self) -> Result<(), QemuError> {
-        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-        let create = |path: &Path, mode: u32| -> Result<(), QemuError> {
-            let err = |source| QemuError::CreateFile {
-                path: path.to_path_buf(),
-                source,
-            };
-            match fs::DirBuilder::new().mode(mode).create(path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(err(e)),
-            }
-            // The work dir is root's and nobody else's: these are the folders just made (or a
-            // dead VM's of this work dir), never a link.
-            let meta = fs::symlink_metadata(path).map_err(err)?;
-            if !meta.is_dir() {
-                return Err(err(io::Error::other("not a folder")));
-            }
-            fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(err)
-        };
-        create(&self.vsock_dir, 0o700)?;
-        create(&self.jail_root, 0o555)?;
-        if fs::read_dir(&self.jail_root)
-            .map_err(|source| QemuError::CreateFile {
-                path: self.jail_root.clone(),
-                source,
-            })?
-            .next()
-            .is_some()
-        {
-            return Err(QemuError::CreateFile {
-                path: self.jail_root.clone(),
-                source: io::Error::other("QEMU's chroot must be empty"),
-            });
-        }
-        Ok(())
-    }
-
-    /// Gives the vsock folder, and the listeners the caller bound in it, to the VM's jail id
-    /// (vhost-device-vsock binds its sockets there and connects to the listeners). Nothing of
-    /// that id runs yet; entries are changed without following links.
-    pub(super) fn hand_vsock_dir_to(&self, id: u32) -> Result<(), QemuError> {
-        use rustix::fs::{chownat, AtFlags, Gid, Uid};
-        let err = |path: &Path, source: io::Error| QemuError::Jail {
-            path: path.to_path_buf(),
-            id,
-            source,
-        };
-        let dir = rustix::fs::open(
-            &self.vsock_dir,
-            rustix::fs::OFlags::DIRECTORY
-                | rustix::fs::OFlags::NOFOLLOW
-                | rustix::fs::OFlags::RDONLY
-                | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )
-        .map_err(|e| err(&self.vsock_dir, e.into()))?;
-        let owner = (Some(Uid::from_raw(id)), Some(Gid::from_raw(id)));
-        rustix::fs::fchown(&dir, owner.0, owner.1).map_err(|e| err(&self.vsock_dir, e.into()))?;
-        let entries = fs::read_dir(&self.vsock_dir).map_err(|e| err(&self.vsock_dir, e))?;
-        for entry in entries {
-            let entry = entry.map_err(|e| err(&self.vsock_dir, e))?;
-            chownat(
-                &dir,
-                entry.file_name().as_os_str(),
-                owner.0,
-                owner.1,
-                AtFlags::SYMLINK_NOFOLLOW,
-            )
-            .map_err(|e| err(&entry.path(), e.into()))?;
-        }
-        Ok(())
-    }
-
-    /// Removes the sockets (once the VM has ended nobody can use them).
-    pub(super) fn remove_sockets(&self) {
-        for f in [&self.vhost_socket, &self.vsock_uds, &self.virtiofs_socket] {
-            let _ = fs::remove_file(f);
-        }
-    }
-
-    /// Removes every file we created (the caller's console log excepted).
-    pub(super) fn remove_all(&self) {
-        let mut files = vec![
-            &self.vhost_socket,
-            &self.vsock_uds,
-            &self.virtiofs_socket,
-            &self.virtiofsd_pid_file,
-            &self.qemu_stderr,
-            &self.backend_stderr,
-            &self.virtiofsd_stderr,
-        ];
-        let previous_console = vmm::console_log::previous_path(&self.console_log);
-        if self.console_is_ours {
-            files.push(&self.console_log);
-            files.push(&previous_console);
-        }
-        for f in files {
-            let _ = fs::remove_file(f);
-        }
-        // Only when empty: a listener of the caller's may still be there (it removes it).
-        let _ = fs::remove_dir(&self.vsock_dir);
-        let _ = fs::remove_dir(&self.jail_root);
-        if self.work_dir_is_ours {
-            // Only succeeds when empty: files others put there are never removed.
-            let _ = fs::remove_dir(&self.work_dir);
-        }
-    }
-}
 
 /// The guest's serial console under QEMU: QEMU writes it to its end of a socket pair
 /// (`-chardev socket,fd=`[`CONSOLE_FD`]), and a thread copies the other end into a bounded
@@ -390,35 +196,6 @@ pub(super) enum HelperIds {
     Jail(u32),
 }
 
-/// The capabilities virtiofsd may ever hold: what it keeps to serve the guest's files
-/// ([`super::VIRTIOFSD_KEPT_CAPS`]) and what it uses once at its start, before it has a thread
-/// besides its main one or reads anything of the guest's (`sys_chroot` for `--sandbox chroot`,
-/// `setpcap` for emptying its bounding set as it drops the rest). Nothing else is there to
-/// keep: no `dac_read_search` (`--inode-file-handles=never`), no `sys_admin` (no
-/// `--sandbox namespace`), no `sys_resource` (the shim sets its file limit).
-pub(super) const VIRTIOFSD_BOUNDING: u64 = {
-    // linux/capability.h
-    const CHOWN: u32 = 0;
-    const DAC_OVERRIDE: u32 = 1;
-    const FOWNER: u32 = 3;
-    const SETGID: u32 = 6;
-    const SETUID: u32 = 7;
-    const SETPCAP: u32 = 8;
-    const SYS_CHROOT: u32 = 18;
-    (1 << CHOWN)
-        | (1 << DAC_OVERRIDE)
-        | (1 << FOWNER)
-        | (1 << SETGID)
-        | (1 << SETUID)
-        | (1 << SETPCAP)
-        | (1 << SYS_CHROOT)
-};
-
-/// virtiofsd's `RLIMIT_NOFILE` at most: what it used to raise its own limit to (it holds a
-/// file per inode the guest looks up); the shim sets it (within its own hard limit) so that
-/// virtiofsd needs no `CAP_SYS_RESOURCE`.
-pub(super) const VIRTIOFSD_MAX_FILES: u64 = 1_000_000;
-
 /// Confines a helper of the VM before it runs: new network, IPC and UTS namespaces (it needs
 /// none of the host's: its sockets are Unix sockets by path), the jail id or a capability
 /// bounding set and file limit ([`HelperIds`]), and `no_new_privs`. Register it before [`spawn_tied_to_parent`]'s hook: a change of uid clears
@@ -571,4 +348,89 @@ pub(super) fn tail_of_file(path: &Path, lines: usize) -> String {
     let text = String::from_utf8_lossy(&bytes);
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Stdio;
+
+    use super::super::virtiofsd::VIRTIOFSD_BOUNDING;
+    use super::*;
+    use crate::vm::qemu::test_support::temp_dir;
+
+    #[test]
+    fn the_console_pump_keeps_a_flood_within_its_bound_and_drains_at_eof() {
+        use std::io::Write;
+        let d = temp_dir("pump");
+        let path = d.join("console.log");
+        let bound = 16 << 10;
+        let mut pump = ConsolePump::start(&path, bound).unwrap();
+        let mut qemu = pump.qemu_end_for_test();
+        pump.release_qemu_end();
+        assert_eq!(pump.qemu_fd(), -1);
+        for i in 0..5000 {
+            writeln!(qemu, "flood line {i:05} xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").unwrap();
+        }
+        // QEMU gone: EOF. Dropping the pump waits for the copy of what was left.
+        drop(qemu);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pump.bytes() < 5000 * 50 && Instant::now() < deadline {
+            thread::sleep(POLL);
+        }
+        drop(pump);
+        let previous = vmm::console_log::previous_path(&path);
+        let size = |p: &Path| fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        assert!(size(&path) + size(&previous) <= bound);
+        let tail = vmm::console_log::tail(&path, 4096, 1);
+        assert!(tail.starts_with("flood line 04999"), "{tail}");
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    /// The status lines of `cat /proc/self/status` run as a confined helper.
+    fn confined_status(ids: HelperIds) -> String {
+        let mut cmd = Command::new("cat");
+        cmd.arg("/proc/self/status").stderr(Stdio::piped());
+        confine_helper(&mut cmd, ids);
+        let out = cmd.output().expect("spawning cat");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    fn status_field<'a>(status: &'a str, name: &str) -> &'a str {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+            .unwrap()
+    }
+
+    #[test]
+    fn helpers_run_confined_as_asked() {
+        if !rustix::process::geteuid().is_root() {
+            // Needs root to change ids: tests/tests/cri_microvm_qemu_jail.rs checks the real
+            // helpers of a pod.
+            panic!("this test needs root");
+        }
+        let s = confined_status(HelperIds::Jail(2_000_000_123));
+        let ids = "2000000123\t2000000123\t2000000123\t2000000123";
+        assert_eq!(status_field(&s, "Uid"), ids);
+        assert_eq!(status_field(&s, "Gid"), ids);
+        assert_eq!(status_field(&s, "Groups"), "");
+        assert_eq!(status_field(&s, "CapEff"), "0000000000000000");
+        assert_eq!(status_field(&s, "NoNewPrivs"), "1");
+        let s = confined_status(HelperIds::Root {
+            bounding: VIRTIOFSD_BOUNDING,
+            max_files: 4096,
+        });
+        assert_eq!(status_field(&s, "Uid"), "0\t0\t0\t0");
+        assert_eq!(
+            u64::from_str_radix(status_field(&s, "CapBnd"), 16).unwrap(),
+            VIRTIOFSD_BOUNDING
+        );
+        assert_eq!(
+            u64::from_str_radix(status_field(&s, "CapEff"), 16).unwrap(),
+            VIRTIOFSD_BOUNDING
+        );
+        assert_eq!(status_field(&s, "NoNewPrivs"), "1");
+    }
 }
