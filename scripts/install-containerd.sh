@@ -11,10 +11,10 @@
 # version is the one the suite serves when the cache is first filled, recorded in `version`,
 # and kept until the cache is removed (a suite moves on; a test run should not).
 set -euo pipefail
+# shellcheck source=SCRIPTDIR/lib.sh
+. "$(dirname "$0")/lib.sh"
 suite=${1:?usage: install-containerd.sh trixie|sid}
-case "$suite" in trixie|sid) ;; *) echo "install-containerd: unknown suite $suite" >&2; exit 2 ;; esac
-cache=${MICROVM_CACHE:-/var/cache/microvm}
-mirror=${MICROVM_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+case "$suite" in trixie|sid) ;; *) log "unknown suite $suite"; exit 2 ;; esac
 
 # A previous run's unpacked containerd of this suite.
 for done in "$cache"/containerd-"$suite"-*/version; do
@@ -26,23 +26,9 @@ done
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/lists/partial" "$work/archives/partial" "$work/etc/preferences.d"
-echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $suite main" >"$work/sources.list"
-apt_opts=(
-  -o "Dir::State::Lists=$work/lists"
-  -o "Dir::Etc::SourceList=$work/sources.list"
-  -o "Dir::Etc::SourceParts=-"
-  -o "Dir::Etc::PreferencesParts=$work/etc/preferences.d"
-  -o "Dir::Cache::Archives=$work/archives"
-  -o "Dir::Cache::pkgcache="
-  -o "Dir::Cache::srcpkgcache="
-  -o "APT::Get::List-Cleanup=0"
-  -o "APT::Sandbox::User=root"
-)
-echo "install-containerd: reading $suite's package list" >&2
-apt-get "${apt_opts[@]}" update -qq >&2
+private_apt "$work" "$suite"
 version=$(apt-cache "${apt_opts[@]}" show containerd 2>/dev/null | awk '/^Version:/ { print $2; exit }')
-[ -n "$version" ] || { echo "install-containerd: $suite has no containerd package" >&2; exit 1; }
+[ -n "$version" ] || die "$suite has no containerd package"
 (cd "$work" && apt-get "${apt_opts[@]}" download "containerd=$version" >&2)
 deb=$(ls "$work"/containerd_*.deb)
 out=$cache/containerd-$suite-${version//[^A-Za-z0-9.+~-]/_}

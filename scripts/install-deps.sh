@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Installs what building and testing microvm needs on a Debian 12 machine, and nothing twice:
-# Debian packages (only the missing ones; `apt-get update` only when something is missing),
-# then vhost-device-vsock and virtiofsd (for the QEMU backend) into the cache outside the repo.
+# Debian packages (only the missing ones: scripts/lib.sh's ensure_packages), then
+# vhost-device-vsock and virtiofsd (for the QEMU backend) into the cache outside the repo.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=SCRIPTDIR/lib.sh
+. "$here/lib.sh"
 
 packages=(
   build-essential gcc make        # test guests, kernel
@@ -19,28 +21,9 @@ packages=(
   kmod                            # the nested lane's L1 image (scripts/lane/build-l1.sh)
 )
 
-missing=()
-for p in "${packages[@]}"; do
-  # dpkg-query prints "install ok installed" for an installed package.
-  if [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" != "install ok installed" ]; then
-    missing+=("$p")
-  fi
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "install-deps: installing ${missing[*]}" >&2
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "install-deps: need root to install Debian packages: ${missing[*]}" >&2
-    exit 1
-  fi
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+ensure_packages "${packages[@]}"
 
-if ! command -v cargo >/dev/null 2>&1; then
-  echo "install-deps: cargo not found; install a Rust toolchain (rustup) first" >&2
-  exit 1
-fi
+command -v cargo >/dev/null 2>&1 || die "cargo not found; install a Rust toolchain (rustup) first"
 
 # The two cargo builds run side by side (about 2 minutes each on two busy cores when cold; together
 # about as long as one after the other there, shorter on wider machines); each skips at once when
@@ -50,7 +33,7 @@ vsock=$!
 "$here/install-virtiofsd.sh" >/dev/null &
 virtiofsd=$!
 failed=0
-wait "$vsock" || { echo "install-deps: installing vhost-device-vsock failed" >&2; failed=1; }
-wait "$virtiofsd" || { echo "install-deps: installing virtiofsd failed" >&2; failed=1; }
+wait "$vsock" || { log "installing vhost-device-vsock failed"; failed=1; }
+wait "$virtiofsd" || { log "installing virtiofsd failed"; failed=1; }
 [ "$failed" -eq 0 ] || exit 1
-echo "install-deps: ok" >&2
+log ok

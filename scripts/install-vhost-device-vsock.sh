@@ -16,13 +16,12 @@
 # the binary itself: none of glibc's NSS machinery (its module loader, its database lookup) nor
 # the functions that use it may be linked in.
 set -euo pipefail
+# shellcheck source=SCRIPTDIR/lib.sh
+. "$(dirname "$0")/lib.sh"
 
-VERSION="${VHOST_DEVICE_VSOCK_VERSION:-0.3.0}"
-CACHE="${MICROVM_CACHE:-/var/cache/microvm}"
-TARGET=x86_64-unknown-linux-gnu
+version="${VHOST_DEVICE_VSOCK_VERSION:-0.3.0}"
 # "-static": a cache of the older dynamic build is never taken for this one.
-ROOT="$CACHE/vhost-device-vsock-$VERSION-static"
-BIN="$ROOT/bin/vhost-device-vsock"
+root="$cache/vhost-device-vsock-$version-static"
 
 is_static() {
     # `file` says "static-pie linked"; readelf has no INTERP program header for it.
@@ -35,38 +34,22 @@ uses_nss() {
     grep -qE ' [TtWw] (__nss_[a-z_]*(module|database|lookup)[a-z_0-9]*|getaddrinfo|getpwuid_r|getpwnam_r|getgrgid_r|getgrnam_r|getgrouplist|gethostbyname[a-z_0-9]*|getservbyname_r)$' <<<"$syms"
 }
 
-if [[ -x "$BIN" ]] && is_static "$BIN" && ! uses_nss "$BIN"; then
-    echo "vhost-device-vsock $VERSION (static) already installed" >&2
-    echo "$BIN"
-    exit 0
-fi
+# The check install_crate runs on a cached binary (quietly) and on the one it built.
+static_without_nss() {
+    if ! is_static "$1"; then
+        file -L "$1" >&2
+        log "$1 is not a static PIE"
+        return 1
+    fi
+    if uses_nss "$1"; then
+        log "$1 links glibc's NSS (getpwuid_r, getaddrinfo, ...), which its root cannot serve"
+        return 1
+    fi
+}
 
-command -v cargo >/dev/null || { echo "error: cargo not found (install a Rust toolchain)" >&2; exit 1; }
-command -v file >/dev/null || { echo "error: file not found (apt-get install file)" >&2; exit 1; }
-command -v nm >/dev/null || { echo "error: nm not found (apt-get install binutils)" >&2; exit 1; }
+command -v file >/dev/null || die "file not found (apt-get install file)"
+command -v nm >/dev/null || die "nm not found (apt-get install binutils)"
 
-mkdir -p "$ROOT"
-# Build outside any workspace target dir so it does not disturb the project build;
-# --locked uses the crate's published Cargo.lock, which is what its authors tested.
-BUILD_DIR="$(mktemp -d "${TMPDIR:-/tmp}/vhost-device-vsock-build.XXXXXX")"
-trap 'rm -rf "$BUILD_DIR"' EXIT
-echo "installing vhost-device-vsock $VERSION (static PIE) into $ROOT (compiles for a few minutes)" >&2
-if ! RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$BUILD_DIR/target" \
-    cargo install --locked --version "$VERSION" --root "$ROOT" --target "$TARGET" \
-    vhost-device-vsock >&2; then
-    echo "error: cargo install of vhost-device-vsock $VERSION failed" >&2
-    exit 1
-fi
-test -x "$BIN" || { echo "error: cargo install did not produce $BIN" >&2; exit 1; }
-if ! is_static "$BIN"; then
-    file -L "$BIN" >&2
-    rm -f "$BIN"
-    echo "error: $BIN is not a static PIE" >&2
-    exit 1
-fi
-if uses_nss "$BIN"; then
-    rm -f "$BIN"
-    echo "error: $BIN links glibc's NSS (getpwuid_r, getaddrinfo, ...), which its root cannot serve" >&2
-    exit 1
-fi
-echo "$BIN"
+RUSTFLAGS="-C target-feature=+crt-static" \
+    install_crate vhost-device-vsock "$version" "$root" static_without_nss --target x86_64-unknown-linux-gnu
+echo "$root/bin/vhost-device-vsock"

@@ -96,27 +96,36 @@ echo "== linux guests on the embedded vmm (at $(elapsed))"
 # name. The first two and the page-sharing and VMM-process suites are #[ignore]d in the plain run
 # (counted here, where they run).
 embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent cri_microvm_page_sharing cri_microvm_vmm_process)
-n_linux=$(grep -c '^#\[ignore' tests/tests/kvm_linux_guest.rs || true)
-n_vfio=$(grep -c '^#\[ignore' tests/tests/kvm_vfio_passthrough.rs || true)
-n_sharing=$(cat tests/tests/cri_microvm_page_sharing.rs tests/tests/cri_microvm_vmm_process.rs | grep -c '^#\[ignore' || true)
-n_linux=$(( n_linux + n_vfio + n_sharing ))
-# (the page-sharing and VMM-process suites' tests are counted by the loop below, with the other
-# pod suites)
-n_embedded=$(( n_linux - n_sharing ))
-for t in "${embedded_targets[@]:2}"; do
-  n_embedded=$(( n_embedded + $(grep -cE '^#\[(tokio::)?test' "tests/tests/$t.rs") ))
-done
-verdict=$(target/release/microvm check-host --kernel "$MICROVM_KERNEL")
-check=$?
-echo "$verdict"
-reason=$(echo "$verdict" | sed -n 's/^verdict: //p')
 
+# Their test executables, `name=<exe>` (built by the plain run above; this only asks cargo where).
 executables() {
   cargo test --release --no-run --message-format=json -p microvm-tests \
     $(printf -- '--test %s ' "${embedded_targets[@]}") 2>/dev/null |
     jq -r 'select(.reason == "compiler-artifact" and .target.kind == ["test"] and .executable != null)
            | "\(.target.name)=\(.executable)"'
 }
+mapfile -t all_exes < <(executables)
+# They again, one a line (none when none built).
+listed_exes() { [ ${#all_exes[@]} -eq 0 ] || printf '%s\n' "${all_exes[@]}"; }
+
+# How many tests they hold, from their own lists (scripts/embedded-test-counts.sh): n_linux (the
+# ignored tests of the plain run counted here instead), n_vfio, n_sharing, n_embedded (the tests
+# the embedded-VMM run reports). A target whose executable is missing or cannot list its tests
+# counts one failure below.
+# shellcheck source=SCRIPTDIR/embedded-test-counts.sh
+. scripts/embedded-test-counts.sh
+count_embedded_tests "${all_exes[@]}"
+for t in "${embedded_targets[@]}"; do
+  listed_exes | grep -q "^$t=" || unlisted+=("$t")
+done
+if [ ${#unlisted[@]} -gt 0 ]; then
+  echo "FAILED: no list of the tests of ${unlisted[*]} (their executables did not build or cannot list their tests): each counts one failure"
+  status_all=1
+fi
+verdict=$(target/release/microvm check-host --kernel "$MICROVM_KERNEL")
+check=$?
+echo "$verdict"
+reason=$(echo "$verdict" | sed -n 's/^verdict: //p')
 
 # Which containerd each embedded-VMM suite runs against: the lane is the long part of CI, so
 # rather than every suite three times, the releases take turns (each is also run with every suite
@@ -150,7 +159,7 @@ if [ $check -eq 0 ]; then
   echo "-- directly on this host's KVM"
   # VFIO passthrough needs a device bound to vfio-pci behind an IOMMU: the lane makes one (edu);
   # a host of its own has none we may take, so its test counts as skipped here.
-  mapfile -t exes < <(executables | grep -v '^kvm_vfio_passthrough=' | lane_containerd)
+  mapfile -t exes < <(listed_exes | grep -v '^kvm_vfio_passthrough=' | lane_containerd)
   # ... and cri_microvm_devices' VFIO pod test.
   n_embedded=$(( n_embedded - n_vfio - 1 ))
   skipped_embedded=$(( n_vfio + 1 ))
@@ -159,7 +168,7 @@ if [ $check -eq 0 ]; then
   ran_embedded=1
 elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
-  mapfile -t exes < <(executables | lane_containerd)
+  mapfile -t exes < <(listed_exes | lane_containerd)
   # embedded-vmm-tests.sh leaves out this one test in L1 (it says why there too).
   n_embedded=$(( n_embedded - 1 ))
   skipped_embedded=1
@@ -245,7 +254,7 @@ if [ $ran_embedded -eq 1 ]; then
   failed=$(( failed + e_failed + missing ))
 fi
 passed=$(( passed + fuzz_targets - fuzz_crashed ))
-failed=$(( failed + fuzz_crashed ))
+failed=$(( failed + fuzz_crashed + ${#unlisted[@]} ))
 for side in "$deny" "$fuzz_clippy"; do
   if [ "$side" = ok ]; then passed=$(( passed + 1 )); else failed=$(( failed + 1 )); fi
 done

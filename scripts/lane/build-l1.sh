@@ -12,27 +12,8 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-cache=${MICROVM_CACHE:-/var/cache/microvm}
-
-log() { echo "build-l1: $*" >&2; }
-die() { echo "build-l1: error: $*" >&2; exit 1; }
-
-ensure_packages() {
-  local missing=() p
-  for p in "$@"; do
-    if [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" != "install ok installed" ]; then
-      missing+=("$p")
-    fi
-  done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  [ "$(id -u)" -eq 0 ] || die "need root to install Debian packages: ${missing[*]}"
-  log "installing ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  if ! apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2; then
-    apt-get update -qq >&2
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-  fi
-}
+# shellcheck source=SCRIPTDIR/../lib.sh
+. "$here/../lib.sh"
 
 # qemu-system-x86 runs L1; busybox-static is its init; kmod resolves module dependencies here and
 # loads modules inside L1 (from the host's root, which L1 runs on); cpio and gzip pack the initrd.
@@ -51,7 +32,7 @@ fi
 version=$(apt-cache policy "$pkg" | awk '/Candidate:/ { print $2; exit }')
 [ -n "$version" ] && [ "$version" != "(none)" ] || die "no candidate version of $pkg"
 
-hash=$( { cat "$here/build-l1.sh" "$here/l1-init"; echo "$pkg=$version"; } | sha256sum | cut -c1-16)
+hash=$( { cat "$here/build-l1.sh" "$here/l1-init"; echo "$pkg=$version"; } | cache_key)
 out=$cache/l1-$hash
 if [ -f "$out/ready" ]; then
   echo "$out"

@@ -10,6 +10,8 @@
 # the binary NAME runs under, for scripts/lane/run-lane.sh's bound of its L1.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# shellcheck source=SCRIPTDIR/../lib.sh
+. scripts/lib.sh
 
 # Each binary's bound: well above what it takes in the lane on a loaded host (kvm_linux_guest
 # 1-3 min, cri_microvm 4-12 min, cri_microvm_net 6-10 min, the others 2.5-7 min), so that a hang
@@ -33,7 +35,7 @@ kernel=${MICROVM_KERNEL:?MICROVM_KERNEL must name the guest kernel}
 
 echo "== check-host$([ -n "${MICROVM_IN_LANE:-}" ] && echo " (inside the nested lane's L1)")"
 if ! "$microvm" check-host --kernel "$kernel"; then
-  echo "embedded-vmm-tests: check-host says the embedded VMM cannot boot our guest here" >&2
+  log "check-host says the embedded VMM cannot boot our guest here"
   exit 1
 fi
 
@@ -46,7 +48,7 @@ run_bounded() {
   local pid=$! waited=0
   while kill -0 "$pid" 2>/dev/null; do
     if [ $waited -ge "$limit" ]; then
-      echo "embedded-vmm-tests: $1 still runs after ${limit} s: processes and what they wait on:" >&2
+      log "$1 still runs after ${limit} s: processes and what they wait on:"
       ps -eo pid,ppid,stat,wchan:32,etime,args --forest >&2
       kill -KILL "$pid"
       wait "$pid"

@@ -7,16 +7,17 @@
 # tests) is left as it is.
 #
 # Cached in $MICROVM_CACHE/qemu-<hash>-<version>/ (hash over this script: the suite and the
-# packages it names); the version is the one the suite serves when the cache is first filled and
-# is kept until the cache is removed: a suite moves on, a test run should not.
+# packages it names; and scripts/lib.sh's private_apt); the version is the one the suite serves
+# when the cache is first filled and is kept until the cache is removed: a suite moves on, a test
+# run should not.
 set -euo pipefail
-cache=${MICROVM_CACHE:-/var/cache/microvm}
-mirror=${MICROVM_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# shellcheck source=SCRIPTDIR/../lib.sh
+. "$(dirname "$0")/../lib.sh"
 suite=bookworm-backports
 # qemu-system-x86: the emulator; qemu-system-data: its firmware (qboot.rom, option ROMs).
 packages=(qemu-system-x86 qemu-system-data)
 
-hash=$(sha256sum "$0" | cut -c1-16)
+hash=$({ cat "$0"; declare -f private_apt; } | cache_key)
 for done in "$cache"/qemu-"$hash"-*/version; do
   if [ -f "$done" ]; then
     echo "$(dirname "$done")/usr/bin/qemu-system-x86_64"
@@ -24,28 +25,13 @@ for done in "$cache"/qemu-"$hash"-*/version; do
   fi
 done
 
-log() { echo "install-qemu: $*" >&2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/lists/partial" "$work/archives/partial" "$work/etc/preferences.d"
-echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $suite main" >"$work/sources.list"
-apt_opts=(
-  -o "Dir::State::Lists=$work/lists"
-  -o "Dir::Etc::SourceList=$work/sources.list"
-  -o "Dir::Etc::SourceParts=-"
-  -o "Dir::Etc::PreferencesParts=$work/etc/preferences.d"
-  -o "Dir::Cache::Archives=$work/archives"
-  -o "Dir::Cache::pkgcache="
-  -o "Dir::Cache::srcpkgcache="
-  -o "APT::Get::List-Cleanup=0"
-  -o "APT::Sandbox::User=root"
-)
-log "reading $suite's package list"
-apt-get "${apt_opts[@]}" update -qq >&2
+private_apt "$work" "$suite"
 # The suite's version of qemu-system-x86 (the newest it serves), and the same of the others.
 version=$(apt-cache "${apt_opts[@]}" show qemu-system-x86 2>/dev/null |
   awk '/^Version:/ { print $2 }' | grep -F '~bpo' | sort -V | tail -n1)
-[ -n "$version" ] || { log "$suite has no qemu-system-x86"; exit 1; }
+[ -n "$version" ] || die "$suite has no qemu-system-x86"
 (cd "$work" && apt-get "${apt_opts[@]}" download "${packages[@]/%/=$version}" >&2)
 out=$cache/qemu-$hash-${version//[^A-Za-z0-9.+~-]/_}
 rm -rf "$out.tmp"

@@ -29,6 +29,8 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=SCRIPTDIR/../lib.sh
+. "$here/../lib.sh"
 memory_mib=${MICROVM_LANE_MEMORY_MIB:-8192}
 timeout=${MICROVM_LANE_TIMEOUT:-3600}
 writable=
@@ -50,7 +52,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ $# -gt 0 ] || usage
-[ "$(id -u)" -eq 0 ] || { echo "run-in-l1: needs root (9p shares of the host's root)" >&2; exit 2; }
+[ "$(id -u)" -eq 0 ] || { log "needs root (9p shares of the host's root)"; exit 2; }
 
 image=$("$here/build-l1.sh")
 qemu=${MICROVM_LANE_QEMU:-qemu-system-x86_64}
@@ -176,22 +178,22 @@ watch_l1() {
     # Clock ticks are 1/100 s: under 5 % of a core is 5 ticks a second.
     if [ "$used" -lt $(( secs * 5 )) ]; then kind=frozen; else kind=stalled; fi
     tries=$(( tries + 1 ))
-    echo "run-in-l1: L1 $kind: no heartbeat for ${secs} s, QEMU used $(( used / secs ))% of a core meanwhile; L1's vCPU and local APIC:" >&2
+    log "L1 $kind: no heartbeat for ${secs} s, QEMU used $(( used / secs ))% of a core meanwhile; L1's vCPU and local APIC:"
     dump_l1 "$kind"
     if [ "$tries" -le 2 ]; then
-      echo "run-in-l1: sending L1 an NMI (try $tries)" >&2
+      log "sending L1 an NMI (try $tries)"
       printf 'nmi\n' >&7
       sleep 20
       hb=$(cat "$lane/heartbeat" 2>/dev/null || true)
       if [ -n "$hb" ] && [ "$hb" != "$last_hb" ]; then
-        echo "run-in-l1: L1 came back after the NMI; the run goes on" >&2
+        log "L1 came back after the NMI; the run goes on"
         event "$kind-revived"
         echo "$kind" >>"$lane/revived"
         last_hb=$hb since=$SECONDS ticks_since=$(cpu_ticks "$pid") limit=90
         continue
       fi
     fi
-    echo "run-in-l1: L1 stays $kind; killing it" >&2
+    log "L1 stays $kind; killing it"
     echo "$kind" >"$lane/stuck"
     kill -KILL "$pid" 2>/dev/null
     return 0
@@ -200,7 +202,7 @@ watch_l1() {
 
 # One L1 vCPU: with two, TCG's SVM emulation sometimes delivers an interrupt right after VMRUN
 # and guests or L1 crash.
-echo "run-in-l1: booting L1 ($(cat "$image/package"), ${memory_mib} MiB, 1 vCPU, TCG, $("$qemu" --version | head -n1 | sed 's/ emulator version / /'), -cpu $cpu${append:+, $append}) for: $*" >&2
+log "booting L1 ($(cat "$image/package"), ${memory_mib} MiB, 1 vCPU, TCG, $("$qemu" --version | head -n1 | sed 's/ emulator version / /'), -cpu $cpu${append:+, $append}) for: $*"
 event boot
 timeout --kill-after=15 "$timeout" "$qemu" "${qemu_data[@]}" \
   -accel tcg -M q35 -cpu "$cpu" -smp 1 -m "${memory_mib}M" \
@@ -235,26 +237,26 @@ if [ -n "$watch_pid" ]; then
 fi
 
 if [ -s "$lane/status" ]; then
-  [ -s "$lane/revived" ] && echo "run-in-l1: note: L1 got stuck during this run ($(sort "$lane/revived" | uniq -c | xargs)) and came back after an NMI" >&2
+  [ -s "$lane/revived" ] && log "note: L1 got stuck during this run ($(sort "$lane/revived" | uniq -c | xargs)) and came back after an NMI"
   status=$(cat "$lane/status")
   [ "$status" -eq 124 ] && event timeout
   exit "$status"
 fi
 if [ -s "$lane/stuck" ]; then
   kind=$(cat "$lane/stuck")
-  echo "run-in-l1: L1 $kind and was killed (its vCPU state is above); the command did not finish" >&2
+  log "L1 $kind and was killed (its vCPU state is above); the command did not finish"
   event "$kind"
   exit 75
 fi
 if [ "$qemu_status" -eq 124 ] || [ "$qemu_status" -eq 137 ]; then
-  echo "run-in-l1: L1 did not finish within ${timeout} s; it was killed" >&2
+  log "L1 did not finish within ${timeout} s; it was killed"
   [ -s "$lane/dmesg" ] && tail -n 40 "$lane/dmesg" >&2
   event timeout
   exit 124
 fi
-echo "run-in-l1: L1 ended (QEMU exit $qemu_status) without the command's exit status" >&2
+log "L1 ended (QEMU exit $qemu_status) without the command's exit status"
 if [ -s "$lane/dmesg" ]; then
-  echo "run-in-l1: the end of L1's kernel log:" >&2
+  log "the end of L1's kernel log:"
   tail -n 40 "$lane/dmesg" >&2
 fi
 event crashed

@@ -12,6 +12,8 @@
 # also appended to DIR/summary.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=SCRIPTDIR/../lib.sh
+. "$here/../lib.sh"
 boots=10 jobs=1 out= label= lane_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -25,11 +27,11 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [-n BOOTS] [-j JOBS] [-o DIR] [-l LABEL] [--vfio] [--timeout S] -- CMD..." >&2; exit 2 ;;
   esac
 done
-[ $# -gt 0 ] || { echo "soak: no command" >&2; exit 2; }
+[ $# -gt 0 ] || { log "no command"; exit 2; }
 [ -n "$out" ] || out=$(mktemp -d /tmp/microvm-soak.XXXXXX)
 mkdir -p "$out"
 label=${label:-qemu=${MICROVM_LANE_QEMU:-system} cpu=${MICROVM_LANE_CPU:-max} append=${MICROVM_LANE_APPEND:-}}
-echo "soak: $label: $boots L1 boots, $jobs at a time, logs in $out" >&2
+log "$label: $boots L1 boots, $jobs at a time, logs in $out"
 
 one() {
   local n=$1 start status
@@ -38,7 +40,7 @@ one() {
   "$here/run-in-l1.sh" "${lane_args[@]}" --events "$out/boot-$n.events" -- "$@" >"$out/boot-$n.log" 2>&1 < /dev/null
   status=$?
   echo "$n $status $(( SECONDS - start ))" >"$out/boot-$n.result"
-  echo "soak: boot $n: exit $status after $(( SECONDS - start )) s; $(grep -v '^boot$' "$out/boot-$n.events" 2>/dev/null | sort | uniq -c | xargs)" >&2
+  log "boot $n: exit $status after $(( SECONDS - start )) s; $(grep -v '^boot$' "$out/boot-$n.events" 2>/dev/null | sort | uniq -c | xargs)"
 }
 
 n=0

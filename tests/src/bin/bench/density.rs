@@ -36,7 +36,9 @@ use microvm_tests::lifecycle::{
     GuestRamSplit,
 };
 
-use super::{met, mib, positive_knob, with_log, PodSetup};
+use crate::knobs::positive_knob;
+use crate::report::{met, mib};
+use crate::setup::{with_log, PodSetup};
 
 /// Idle pods per handler (`BENCH_DENSITY`).
 const DENSITY_PODS: usize = 10;
