@@ -2,6 +2,9 @@
 //! tape format each target reads, so that fuzzing starts from valid traffic and mutates from
 //! there. `scripts/fuzz.sh --write-seeds` writes them into fuzz/seeds/<target>/ (a target
 //! started with `MICROVM_FUZZ_WRITE_SEEDS=<dir>` writes its own and exits: see [`write_if_asked`]).
+//!
+//! One file over 600 lines on purpose: it is data (one short seed builder per target, side by
+//! side so a change of the tape format is made in one place), not logic.
 
 use std::path::Path;
 

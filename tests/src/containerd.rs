@@ -199,7 +199,7 @@ impl PrivateContainerd {
         let began = Instant::now();
         let containerd = match &opts.bin_dir {
             Some(dir) => Some(dir.join("containerd")).filter(|p| p.is_file()),
-            None => which("containerd"),
+            None => which::which("containerd").ok(),
         }
         .ok_or(ContainerdError::NotInstalled)?;
         let version = Command::new(&containerd)
@@ -971,12 +971,6 @@ fn cni_config(root: &Path, index: u8, opts: &CniOptions) -> String {
 /// A TOML basic string (JSON string escaping is valid TOML for these values).
 fn toml_str(s: &str) -> String {
     serde_json::Value::String(s.to_string()).to_string()
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
 }
 
 /// Picks a bridge index whose name is unused on the host and whose lock file (held open for the

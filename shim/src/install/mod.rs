@@ -16,6 +16,9 @@
 //! says: containerd's config is put back byte for byte when nobody changed it since (else only
 //! our handler is taken out of it), files are removed only where they are still ours.
 //! Installing again is harmless: it updates the files and leaves the record of the first install.
+//!
+//! One file of about 650 lines: install's steps and their undo share the record and its writes;
+//! split, each half would import the other (`containerd_config` is apart: it is pure TOML).
 
 pub mod containerd_config;
 
@@ -157,7 +160,8 @@ fn choose(
         ));
     }
     let why_not_kvm = &choice.reason;
-    let qemu = which(&opts.qemu);
+    // A path is taken as it is, a bare name looked up on PATH; either must be executable.
+    let qemu = which::which(&opts.qemu).ok();
     let mut missing = Vec::new();
     if qemu.is_none() {
         missing.push(format!("QEMU ({} not found)", opts.qemu.display()));
@@ -638,16 +642,6 @@ fn unified_diff(before: &str, after: &str, path: &Path) -> String {
         .unified_diff()
         .header(&name, &name)
         .to_string()
-}
-
-/// `prog` if it is a path to a file, else where PATH finds it.
-fn which(prog: &Path) -> Option<PathBuf> {
-    if prog.components().count() > 1 {
-        return prog.is_file().then(|| prog.to_path_buf());
-    }
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|d| d.join(prog))
-        .find(|p| p.is_file())
 }
 
 /// check-host's report for the kernel being installed.

@@ -46,7 +46,9 @@ use crate::resources::{devices, network, storage};
 use crate::state::{state_root, StateDir};
 use crate::vm::qemu::Accel;
 use crate::vm::thread::{BootError, VmThread};
-use crate::vm::{Backend, BackendChoice, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir};
+use crate::vm::{
+    Backend, BackendChoice, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir,
+};
 
 use super::{release_host_resources, spec, Sandbox, SandboxError};
 
