@@ -68,12 +68,7 @@ pub fn annotations(spec: &serde_json::Value) -> HashMap<String, String> {
 mod tests {
     use super::*;
 
-    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use testkit::string_map as ann;
 
     #[test]
     fn reads_annotations_from_a_bundle() {

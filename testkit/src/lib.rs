@@ -4,3 +4,11 @@
 
 pub mod cpio;
 pub mod guests;
+
+/// A map of strings from `(key, value)` pairs: annotations, labels, sysctls in tests.
+pub fn string_map(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}

@@ -412,12 +412,7 @@ mod tests {
     use serde_json::json;
     use std::path::Path;
 
-    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use testkit::string_map as ann;
 
     #[test]
     fn containers_sum_from_annotations() {

@@ -47,12 +47,7 @@ impl Role {
 mod tests {
     use super::*;
 
-    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use testkit::string_map as ann;
 
     #[test]
     fn roles_from_cri_annotations() {

@@ -265,12 +265,7 @@ mod tests {
 
     const MI: u64 = 1 << 20;
 
-    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use testkit::string_map as ann;
 
     #[test]
     fn quantities_parse_like_kubernetes() {
