@@ -2,7 +2,7 @@
 //! shim reads them: containerd writes them, from what the pod's author put in the pod (names,
 //! mounts, devices, sysctls, annotations), so every field is the author's to choose.
 //!
-//! A JSON spec (parsed as `shim::task::bundle::read_spec` does) goes through the shim's readers
+//! A JSON spec (parsed as `shim::oci::read_spec` does) goes through the shim's readers
 //! in a pod's order: the role from the annotations, the network namespace, the host namespaces
 //! refused, the VM size and the containers' sums, the pod's sysctls, the devices and their
 //! classes, TARGET PID namespaces, and the rewrite for the guest. Or, with the first tape bit,
@@ -25,10 +25,10 @@ use shim::sandbox::spec;
 use shim::task::bundle;
 
 fn walk_spec(config: &Config, mut value: Value, cid: &str, sandbox_pid: u32) {
-    let annotations = bundle::annotations(&value);
+    let annotations = shim::oci::annotations(&value);
     let role = bundle::Role::from_annotations(cid, &annotations);
     let _ = role.pod_id(cid);
-    let _ = bundle::network_namespace(&value);
+    let _ = shim::oci::network_namespace(&value);
     let _ = spec::host_namespaces(&value);
     let _ = spec::refuse_host_namespaces(&value);
     if let Ok(size) = spec::vm_size(config, &annotations) {
