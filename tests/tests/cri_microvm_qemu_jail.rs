@@ -69,7 +69,7 @@ async fn qemu_backend_runs_qemu_and_its_helpers_confined() {
     let state = Path::new(STATE_ROOT).join(&pod.id);
     let shims = shim_pids(&ctrd, &pod.id);
     assert_eq!(shims.len(), 1, "{shims:?}");
-    let jail = shim::vm::qemu::DEFAULT_JAIL_ID_BASE + shims[0] as u32;
+    let jail = shim::config::qemu::DEFAULT_JAIL_ID_BASE + shims[0] as u32;
     let jail_ids = format!("{jail}\t{jail}\t{jail}\t{jail}");
 
     // QEMU: every thread filtered, unprivileged, in its empty chroot.

@@ -21,8 +21,9 @@ use agent_protocol::agent_ttrpc::AgentClient;
 use agent_protocol::AGENT_VSOCK_PORT;
 use microvm_tests::microvm_pods::build_artifact;
 use microvm_tests::netns::{in_netns, require_root, run, TestNet, POD_MAC};
+use shim::config::qemu::default_vhost_vsock_binary;
 use shim::resources::network::{self, MacAddr, TeardownOutcome};
-use shim::vm::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuNic, QemuVm};
+use shim::vm::qemu::{Accel, QemuConfig, QemuNic, QemuVm};
 
 const AGENT_TIMEOUT: Duration = Duration::from_secs(180);
 const PING_TIMEOUT: Duration = Duration::from_secs(60);

@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use agent_protocol::AGENT_VSOCK_PORT;
 use microvm_tests::microvm_pods::build_artifact;
 use shim::agent::AgentClient;
-use shim::vm::qemu::{default_vhost_vsock_binary, Accel, QemuConfig, QemuError, QemuVm};
+use shim::config::qemu::default_vhost_vsock_binary;
+use shim::vm::qemu::{Accel, QemuConfig, QemuError, QemuVm};
 
 /// Generous: two TCG guests may boot at once on two loaded cores.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(180);

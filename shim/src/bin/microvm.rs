@@ -222,9 +222,9 @@ fn install(
         bin_source,
         kernel,
         initrd: initrd.unwrap_or_else(artifacts::default_initrd),
-        vhost_vsock: shim::vm::qemu::default_vhost_vsock_binary(),
-        virtiofsd: shim::vm::qemu::default_virtiofsd_binary(),
-        qemu: PathBuf::from(shim::vm::qemu::DEFAULT_QEMU),
+        vhost_vsock: shim::config::qemu::default_vhost_vsock_binary(),
+        virtiofsd: shim::config::qemu::default_virtiofsd_binary(),
+        qemu: PathBuf::from(shim::config::qemu::DEFAULT_QEMU),
         dry_run,
         allow_software_emulation,
     };

@@ -301,7 +301,7 @@ impl HostSide {
             virtiofsd: config.qemu.virtiofsd_binary.clone(),
             accel: choice.qemu_accel.unwrap_or(Accel::Kvm),
             // Checked by Config::validate.
-            jail_id: crate::vm::qemu::jail_id(config.qemu.jail_id_base).unwrap_or(u32::MAX),
+            jail_id: crate::config::qemu::jail_id(config.qemu.jail_id_base).unwrap_or(u32::MAX),
         };
         Ok(HostSide {
             cgroup,

@@ -37,7 +37,7 @@ use serde_json::Value;
 use crate::config::Config;
 use crate::resources::cgroup::overhead::{self, Amounts};
 
-pub use crate::resources::storage::ShareBind;
+use crate::resources::storage::ShareBind;
 pub use agent_protocol::{
     GUEST_SHARED_DIR, POD_PID_NAMESPACE, PRIVILEGED_ANNOTATION, SHARED_FS_TAG, VOLUME_KEY_OPTION,
 };

@@ -54,8 +54,3 @@ pub use error::QemuError;
 pub use launch::QemuVm;
 pub use paths::vsock_uds_in;
 pub use virtiofsd::{virtiofsd_args, VIRTIOFSD_KEPT_CAPS, VIRTIOFSD_MODCAPS};
-
-pub use crate::config::qemu::{
-    default_vhost_vsock_binary, default_virtiofsd_binary, jail_id, DEFAULT_JAIL_ID_BASE,
-    DEFAULT_QEMU, JAIL_ID_RANGE, VHOST_DEVICE_VSOCK_VERSION, VIRTIOFSD_VERSION,
-};
