@@ -18,9 +18,8 @@ export MICROVM_BIN_DIR=${MICROVM_BIN_DIR:-$PWD/target/release}
 # (after make built what it needs): where a run's time goes (CI's budget is 80 minutes cold).
 elapsed() { printf '%dm%02ds' $((SECONDS / 60)) $((SECONDS % 60)); }
 
-echo "== lint (at $(elapsed))"
+echo "== fmt (at $(elapsed))"
 cargo fmt --all -- --check || exit 1
-cargo clippy --release --workspace --all-targets -- -D warnings || exit 1
 
 # What was on the host before the tests began is not theirs to answer for: a stale shim socket
 # or state directory from an earlier run (or another user of the node) is reported as such below,
@@ -30,74 +29,43 @@ stale_before=$( (ls -A /run/microvm 2>/dev/null | sed 's|^|state directory /run/
 
 results=$(mktemp)
 embedded=$(mktemp)
-trap 'rm -f "$results" "$embedded"' EXIT
+side_log=$(mktemp)
+lane_pid=
+side_pid=
+# kill_tree PID: PID and every process below it (the lane: run-lane.sh, run-in-l1.sh, QEMU),
+# parents first so none starts a next step; run-in-l1.sh kills its QEMU on the signal.
+kill_tree() {
+  local pids=("$1") i=0 child
+  while [ $i -lt ${#pids[@]} ]; do
+    for child in $(pgrep -P "${pids[$i]}" 2>/dev/null); do pids+=("$child"); done
+    i=$(( i + 1 ))
+  done
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+}
+finish() {
+  if [ -n "$lane_pid" ] && kill -0 "$lane_pid" 2>/dev/null; then
+    echo "== the nested lane, as far as it got (stopped at $(elapsed))"
+    cat "$embedded"
+    kill_tree "$lane_pid"
+  fi
+  if [ -n "$side_pid" ]; then kill_tree "$side_pid"; fi
+  rm -f "$results" "$embedded" "$side_log"
+}
+trap finish EXIT
+trap 'exit 143' TERM INT
 status_all=0
 
-echo "== tests (at $(elapsed))"
-# Integration tests boot VMs; two at a time is what two cores carry without timeouts. Every test
-# binary runs even when one before it failed (--no-fail-fast): each one's result line counts.
-# The Sandbox API tests (`shim_sandboxer_*`) need containerd 2.x: they run in the 2.1 section below.
-cargo test --release --workspace --no-fail-fast -- --test-threads=2 --skip shim_sandboxer_ 2>&1 | tee -a "$results" || status_all=1
+echo "== building the tests (at $(elapsed))"
+# Built once, before anything runs, so that the nested lane can start on its executables while
+# the host runs everything else (below). A build that fails fails every section after it.
+cargo test --release --workspace --no-run 2>&1 || status_all=1
 
-echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend) (at $(elapsed))"
-# The same suites against trixie's containerd 1.7 and sid's 2.1, unpacked privately into the
-# cache (scripts/install-containerd.sh; never installed over the system's). They count like the
-# others. Every pod suite runs on both (docs/testing-containerd.md says where the releases differ:
-# after kill -9 of a shim, 1.7 and 2.1 report the app container running for about 2 s, for runc
-# pods as for ours, and kubelet's retry removes the pod: the tests retry as kubelet does).
-# 2.1 also runs cri_microvm_sandbox_api: its pods go through the shim's Sandbox API
-# (`sandboxer = "shim"`, a 2.x key; docs/testing-containerd.md).
-pod_suites=cri_microvm,cri_microvm_exec,cri_microvm_net,cri_microvm_cgroup,cri_microvm_devices,cri_microvm_privileged,cri_microvm_share_attack,cri_microvm_fs_policy,cri_microvm_hostile_agent,cri_harness_cleanup,cri_runc
-for version in trixie:$pod_suites sid:$pod_suites,cri_microvm_sandbox_api; do
-  suite=${version%%:*}
-  tests=${version#*:}
-  if bin=$(scripts/install-containerd.sh "$suite"); then
-    echo "-- containerd $(cat "$bin/../../version") ($suite): ${tests//,/ }"
-    MICROVM_TEST_CONTAINERD_BIN=$bin cargo test --release --no-fail-fast -p microvm-tests \
-      $(printf -- '--test %s ' ${tests//,/ }) -- --test-threads=2 2>&1 | tee -a "$results" || status_all=1
-  else
-    echo "FAILED: could not unpack the containerd of Debian $suite (scripts/install-containerd.sh)"
-    status_all=1
-  fi
-done
-
-# The fuzz smoke run and cargo deny run beside the embedded-VMM tests, at the lowest priority:
-# the nested lane's L1 is one TCG vCPU, so one of the two cores is otherwise idle there. Their
-# output is printed after those tests. Each fuzz target counts as a test below: passed, or
-# failed when it crashed, hung or ran out of memory; a smoke run that ended before its closing
-# line (the build failed) counts one failure (docs/fuzzing.md). cargo deny checks licenses, bans
-# and sources (deny.toml; no advisory database is reachable offline: docs/security.md) and
-# counts as one test; so does clippy on the fuzz package (its own workspace, which the lint
-# section above does not reach).
-side_log=$(mktemp)
-(
-  echo "== fuzz smoke (at $(elapsed))"
-  nice -n 19 scripts/fuzz-smoke.sh
-  echo "== cargo deny (at $(elapsed))"
-  if deny=$(INSTALL_NICE=19 scripts/install-cargo-deny.sh | tail -n 1) &&
-    "$deny/cargo-deny" --offline check licenses bans sources; then
-    echo "cargo deny: ok"
-  else
-    echo "cargo deny: FAILED"
-  fi
-  echo "== fuzz package: clippy (at $(elapsed))"
-  if nice -n 19 cargo clippy --manifest-path fuzz/Cargo.toml --release --all-targets -- -D warnings; then
-    echo "fuzz clippy: ok"
-  else
-    echo "fuzz clippy: FAILED"
-  fi
-  echo "== beside the lane: done (at $(elapsed))"
-) >"$side_log" 2>&1 &
-side_pid=$!
-trap 'kill $side_pid 2>/dev/null; rm -f "$results" "$embedded" "$side_log"' EXIT
-
-echo "== linux guests on the embedded vmm (at $(elapsed))"
-# The plain boot tests, VFIO passthrough and the pod suites (containerd + CRI), by cargo target
-# name. The first two and the page-sharing and VMM-process suites are #[ignore]d in the plain run
-# (counted here, where they run).
+# The tests of Linux guests on the embedded VMM: the plain boot tests, VFIO passthrough and the
+# pod suites (containerd + CRI), by cargo target name. The first two and the page-sharing and
+# VMM-process suites are #[ignore]d in the plain run (counted here, where they run).
 embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent cri_microvm_page_sharing cri_microvm_vmm_process)
 
-# Their test executables, `name=<exe>` (built by the plain run above; this only asks cargo where).
+# Their test executables, `name=<exe>` (built above; this only asks cargo where).
 executables() {
   cargo test --release --no-run --message-format=json -p microvm-tests \
     $(printf -- '--test %s ' "${embedded_targets[@]}") 2>/dev/null |
@@ -129,7 +97,7 @@ reason=$(echo "$verdict" | sed -n 's/^verdict: //p')
 
 # Which containerd each embedded-VMM suite runs against: the lane is the long part of CI, so
 # rather than every suite three times, the releases take turns (each is also run with every suite
-# on the QEMU backend above): 1.6 for cri_microvm and cri_microvm_net, 1.7 for
+# on the QEMU backend below): 1.6 for cri_microvm and cri_microvm_net, 1.7 for
 # cri_microvm_cgroup, 2.1 for cri_microvm_exec and cri_microvm_devices, and for
 # cri_microvm_sandbox_api, whose Sandbox API only 2.x has.
 lane_containerd() {
@@ -152,11 +120,105 @@ lane_containerd() {
   done
 }
 
+# Where they run. In the nested lane (this host's KVM cannot boot our guest) they start now, in
+# the background, and run beside everything below: the lane's L1 is one TCG vCPU, busy for most
+# of CI's time on one core, while the host's own tests use the other (they share nothing with
+# it: L1 has its own /run, containerd and network; docs/nested-lane.md). Its output is printed
+# when it ends. Directly on this host's KVM they run after the host's pod suites, whose pod state
+# directories and processes they would share.
 ran_embedded=0
 skipped_embedded=0
 lane_summary=
+direct=0
 if [ $check -eq 0 ]; then
-  echo "-- directly on this host's KVM"
+  direct=1
+elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
+  echo "== linux guests on the embedded vmm: in the nested lane, beside what follows (at $(elapsed); this host's KVM cannot boot our guest: $reason)"
+  mapfile -t exes < <(listed_exes | lane_containerd)
+  # embedded-vmm-tests.sh leaves out this one test in L1 (it says why there too).
+  n_embedded=$(( n_embedded - 1 ))
+  skipped_embedded=1
+  echo "SKIPPED: cri_microvm_hostile_agent's a_console_flood_keeps_the_host_console_log_within_its_bound in the lane: 1.5 MiB through an emulated UART of a guest that is itself emulated takes longer than the suite's bound; the embedded VMM's console bound is tested on this host's /dev/kvm by vmm/tests/kvm_console.rs, and the flood through CRI on the QEMU backend below"
+  # One L1 for the binaries (--vfio: an emulated IOMMU and QEMU's edu device for the VFIO
+  # tests); those an L1 that got stuck had not finished run again in a fresh one, said with a
+  # RETRY line; the lane's boots, freezes, stalls and retries are counted in its last line,
+  # repeated at the end below.
+  (
+    scripts/lane/run-lane.sh "${exes[@]}"
+    status=$?
+    echo "== the nested lane ended (at $(elapsed))"
+    exit $status
+  ) >"$embedded" 2>&1 &
+  lane_pid=$!
+  ran_embedded=1
+elif [ $check -eq 2 ]; then
+  skipped_embedded=$n_embedded
+  echo "SKIPPED: $n_embedded tests of Linux guests on the embedded vmm (kvm_linux_guest, and the pod suites with MICROVM_TEST_HYPERVISOR=kvm; they run on QEMU below): $reason; and MICROVM_LANE=off"
+else
+  echo "check-host failed (exit $check)" >&2
+  exit 1
+fi
+
+echo "== clippy (at $(elapsed))"
+cargo clippy --release --workspace --all-targets -- -D warnings || exit 1
+
+echo "== tests (at $(elapsed))"
+# Integration tests boot VMs; two at a time is what two cores carry without timeouts. Every test
+# binary runs even when one before it failed (--no-fail-fast): each one's result line counts.
+# The Sandbox API tests (`shim_sandboxer_*`) need containerd 2.x: they run in the 2.1 section below.
+cargo test --release --workspace --no-fail-fast -- --test-threads=2 --skip shim_sandboxer_ 2>&1 | tee -a "$results" || status_all=1
+
+echo "== the pod suites on containerd 1.7 and 2.1 (QEMU backend) (at $(elapsed))"
+# The same suites against trixie's containerd 1.7 and sid's 2.1, unpacked privately into the
+# cache (scripts/install-containerd.sh; never installed over the system's). They count like the
+# others. Every pod suite runs on both (docs/testing-containerd.md says where the releases differ:
+# after kill -9 of a shim, 1.7 and 2.1 report the app container running for about 2 s, for runc
+# pods as for ours, and kubelet's retry removes the pod: the tests retry as kubelet does).
+# 2.1 also runs cri_microvm_sandbox_api: its pods go through the shim's Sandbox API
+# (`sandboxer = "shim"`, a 2.x key; docs/testing-containerd.md).
+pod_suites=cri_microvm,cri_microvm_exec,cri_microvm_net,cri_microvm_cgroup,cri_microvm_devices,cri_microvm_privileged,cri_microvm_share_attack,cri_microvm_fs_policy,cri_microvm_hostile_agent,cri_harness_cleanup,cri_runc
+for version in trixie:$pod_suites sid:$pod_suites,cri_microvm_sandbox_api; do
+  suite=${version%%:*}
+  tests=${version#*:}
+  if bin=$(scripts/install-containerd.sh "$suite"); then
+    echo "-- containerd $(cat "$bin/../../version") ($suite): ${tests//,/ }"
+    MICROVM_TEST_CONTAINERD_BIN=$bin cargo test --release --no-fail-fast -p microvm-tests \
+      $(printf -- '--test %s ' ${tests//,/ }) -- --test-threads=2 2>&1 | tee -a "$results" || status_all=1
+  else
+    echo "FAILED: could not unpack the containerd of Debian $suite (scripts/install-containerd.sh)"
+    status_all=1
+  fi
+done
+
+# The fuzz smoke run and cargo deny, at the lowest priority beside what still runs (the lane, or
+# the direct run below). Their output is printed at the end. Each fuzz target counts as a test
+# below: passed, or failed when it crashed, hung or ran out of memory; a smoke run that ended
+# before its closing line (the build failed) counts one failure (docs/fuzzing.md). cargo deny
+# checks licenses, bans and sources (deny.toml; no advisory database is reachable offline:
+# docs/security.md) and counts as one test; so does clippy on the fuzz package (its own
+# workspace, which the clippy section above does not reach).
+(
+  echo "== fuzz smoke (at $(elapsed))"
+  nice -n 19 scripts/fuzz-smoke.sh
+  echo "== cargo deny (at $(elapsed))"
+  if deny=$(INSTALL_NICE=19 scripts/install-cargo-deny.sh | tail -n 1) &&
+    "$deny/cargo-deny" --offline check licenses bans sources; then
+    echo "cargo deny: ok"
+  else
+    echo "cargo deny: FAILED"
+  fi
+  echo "== fuzz package: clippy (at $(elapsed))"
+  if nice -n 19 cargo clippy --manifest-path fuzz/Cargo.toml --release --all-targets -- -D warnings; then
+    echo "fuzz clippy: ok"
+  else
+    echo "fuzz clippy: FAILED"
+  fi
+  echo "== fuzz and deny: done (at $(elapsed))"
+) >"$side_log" 2>&1 &
+side_pid=$!
+
+if [ $direct -eq 1 ]; then
+  echo "== linux guests on the embedded vmm: directly on this host's KVM (at $(elapsed))"
   # VFIO passthrough needs a device bound to vfio-pci behind an IOMMU: the lane makes one (edu);
   # a host of its own has none we may take, so its test counts as skipped here.
   mapfile -t exes < <(listed_exes | grep -v '^kvm_vfio_passthrough=' | lane_containerd)
@@ -166,28 +228,19 @@ if [ $check -eq 0 ]; then
   echo "SKIPPED: $n_vfio VFIO passthrough tests (kvm_vfio_passthrough) and cri_microvm_devices' VFIO pod test: they need a device bound to vfio-pci, which only the nested lane (run-in-l1.sh --vfio) provides"
   scripts/lane/embedded-vmm-tests.sh "${exes[@]}" 2>&1 | tee "$embedded" || status_all=1
   ran_embedded=1
-elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
-  echo "-- in the nested lane (this host's KVM cannot boot our guest: $reason)"
-  mapfile -t exes < <(listed_exes | lane_containerd)
-  # embedded-vmm-tests.sh leaves out this one test in L1 (it says why there too).
-  n_embedded=$(( n_embedded - 1 ))
-  skipped_embedded=1
-  echo "SKIPPED: cri_microvm_hostile_agent's a_console_flood_keeps_the_host_console_log_within_its_bound in the lane: 1.5 MiB through an emulated UART of a guest that is itself emulated takes longer than the suite's bound; the embedded VMM's console bound is tested on this host's /dev/kvm by vmm/tests/kvm_console.rs, and the flood through CRI on the QEMU backend above"
-  # Each binary in its own L1 (--vfio: an emulated IOMMU and QEMU's edu device for the VFIO
-  # tests); one whose L1 got stuck runs again in a fresh one, said with a RETRY line; the lane's
-  # boots, freezes, stalls and retries are counted in its last line, repeated at the end below.
-  scripts/lane/run-lane.sh "${exes[@]}" 2>&1 | tee "$embedded" || status_all=1
+fi
+
+if [ -n "$lane_pid" ]; then
+  echo "== waiting for the nested lane (at $(elapsed))"
+  wait "$lane_pid" || status_all=1
+  lane_pid=
+  echo "== linux guests on the embedded vmm, in the nested lane (its output)"
+  cat "$embedded"
   lane_summary=$(grep '^lane: [0-9]* L1 boots' "$embedded" | tail -n1)
-  ran_embedded=1
-elif [ $check -eq 2 ]; then
-  skipped_embedded=$n_embedded
-  echo "SKIPPED: $n_embedded tests of Linux guests on the embedded vmm (kvm_linux_guest, and the pod suites with MICROVM_TEST_HYPERVISOR=kvm; they ran on QEMU above): $reason; and MICROVM_LANE=off"
-else
-  echo "check-host failed (exit $check)" >&2
-  exit 1
 fi
 
 wait $side_pid
+side_pid=
 cat "$side_log"
 fuzz_line=$(grep -E '^fuzz: [0-9]+ targets, [0-9]+ crashed$' "$side_log" | tail -n 1)
 fuzz_targets=$(awk '{ print $2 }' <<<"$fuzz_line")

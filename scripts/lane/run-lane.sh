@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Runs the embedded-VMM test binaries in the nested lane (docs/nested-lane.md), each in its own L1,
-# as scripts/run-tests.sh does where this host's KVM cannot boot our guest:
+# Runs the embedded-VMM test binaries in the nested lane (docs/nested-lane.md), as
+# scripts/run-tests.sh does where this host's KVM cannot boot our guest:
 #
 #   scripts/lane/run-lane.sh [--events FILE] name=<exe>[@<containerd bin dir>] ...
 #
-# Each binary gets a fresh L1 (scripts/lane/run-in-l1.sh --vfio) running
-# scripts/lane/embedded-vmm-tests.sh for it alone, bounded on the host by the binary's own bound
-# plus L1's boot. So an L1 that gets stuck (frozen or stalled: its heartbeat stops, run-in-l1.sh
-# kills it, exit 75) costs that binary, not the lane: the binary runs once more in a fresh L1,
-# said with a RETRY line, and only if it had not finished (no `test result:` line). At most one
-# retry a binary and MICROVM_LANE_RETRIES (default 3) in all; nothing else is retried: a binary
-# whose tests failed, or that reached its bound in a live L1, counts as it ran (its unreported
-# tests as failed, in run-tests.sh). Output: each binary's, as it runs, then the line
-# `lane: N L1 boots, M freezes, S stalls, K retries`. --events FILE appends run-in-l1's events
-# (boot, frozen, stalled, ...: see run-in-l1.sh) and `retry` lines there.
+# All of them in one L1 (scripts/lane/run-in-l1.sh --vfio running
+# scripts/lane/embedded-vmm-tests.sh), one after the other, each under its own bound inside L1,
+# and L1 under the sum of those bounds plus its boot on the host. An L1 boots once, not once a
+# binary (each boot with its check-host costs 15 s on an idle host, a minute on a busy one).
+#
+# When that L1 does not get to the end (it got stuck: frozen or stalled, its heartbeat stopped
+# and run-in-l1.sh killed it, exit 75; or it crashed or reached its bound), the binaries it had
+# not begun run in a fresh L1, said with a RETRY line. The binary it was running when it got
+# stuck runs there again too, once: a stuck L1 is L1's failure, not the binary's. A binary that
+# was running when L1 crashed or timed out is not run again, nor is one whose tests failed or
+# that reached its own bound in a live L1: they count as they ran (their unreported tests as
+# failed, in run-tests.sh). At most MICROVM_LANE_RETRIES (default 3) fresh L1s after the first.
+# Output: each binary's, as it runs, then the line `lane: N L1 boots, M freezes, S stalls,
+# K retries`. --events FILE appends run-in-l1's events (boot, frozen, stalled, ...: see
+# run-in-l1.sh) and `retry` lines there.
 # Exit status: 0 when every binary passed, 1 otherwise.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -31,32 +36,70 @@ output=$(mktemp)
 trap 'rm -f "$output" $own_events' EXIT
 retries_left=${MICROVM_LANE_RETRIES:-3}
 
+# outcomes FILE: a line `NAME ok|FAILED|begun` for each binary FILE shows began
+# (embedded-vmm-tests.sh's `== NAME on the embedded vmm` header), with its `test result:` if it
+# printed one.
+outcomes() {
+  awk '
+    /^== [a-z0-9_]+ on the embedded vmm/ { name = $2; state[name] = "begun"; order[++n] = name; next }
+    /^test result: ok\./ && name != "" { state[name] = "ok"; next }
+    /^test result: FAILED\./ && name != "" { state[name] = "FAILED"; next }
+    END { for (i = 1; i <= n; i++) print order[i], state[order[i]] }
+  ' "$1"
+}
+
+pending=("$@")
+declare -A result=()
+declare -A stuck_once=()
+while [ ${#pending[@]} -gt 0 ]; do
+  # Each binary's own bound, L1's boot (10-40 s), and stage 2's dump before the host's kill.
+  timeout=240
+  for arg in "${pending[@]}"; do
+    timeout=$(( timeout + $("$here/embedded-vmm-tests.sh" --limit "${arg%%=*}") ))
+  done
+  "$here/run-in-l1.sh" --vfio --timeout "$timeout" --events "$events" -- \
+    "$here/embedded-vmm-tests.sh" "${pending[@]}" 2>&1 | tee "$output"
+  status=${PIPESTATUS[0]}
+  while read -r name state; do result[$name]=$state; done < <(outcomes "$output")
+
+  # What this L1 left undone: the binary it was in (reported no result) and those it never began.
+  again=()
+  cut=
+  for arg in "${pending[@]}"; do
+    name=${arg%%=*}
+    case "${result[$name]:-}" in
+      ok|FAILED) ;;
+      begun)
+        # Stuck in L1 while it ran: once more. Otherwise (its bound, a crash): as it ran.
+        if [ "$status" -eq 75 ] && [ -z "${stuck_once[$name]:-}" ]; then
+          stuck_once[$name]=1
+          cut=$name
+          again+=("$arg")
+        fi
+        ;;
+      *) again+=("$arg") ;;
+    esac
+  done
+  [ ${#again[@]} -gt 0 ] || break
+  # A live L1 that got to the end (status 0 or 1) left nothing undone; anything else did.
+  case "$status" in 0|1) break ;; esac
+  if [ "$retries_left" -le 0 ]; then
+    echo "lane: ${again[*]%%=*} did not run: L1 did not get to the end (exit $status: $(tail -n1 "$events")) and the lane's retries are used up; their tests count as failed"
+    break
+  fi
+  echo "RETRY: L1 did not get to the end (exit $status: $(tail -n1 "$events"))${cut:+ while $cut ran}; running ${again[*]%%=*} in a fresh L1"
+  echo retry >>"$events"
+  retries_left=$(( retries_left - 1 ))
+  pending=("${again[@]}")
+done
+
 failed=0
 for arg in "$@"; do
   name=${arg%%=*}
-  # The binary's own bound, L1's boot (10-40 s), and stage 2's dump before the host's kill.
-  timeout=$(( $("$here/embedded-vmm-tests.sh" --limit "$name") + 240 ))
-  attempt=1
-  while :; do
-    "$here/run-in-l1.sh" --vfio --timeout "$timeout" --events "$events" -- \
-      "$here/embedded-vmm-tests.sh" "$arg" 2>&1 | tee "$output"
-    status=${PIPESTATUS[0]}
-    if [ "$status" -eq 75 ] && ! grep -q '^test result:' "$output"; then
-      if [ "$attempt" -lt 2 ] && [ "$retries_left" -gt 0 ]; then
-        echo "RETRY: $name did not finish: its L1 got stuck ($(tail -n1 "$events")) and was killed; running $name again in a fresh L1"
-        echo retry >>"$events"
-        retries_left=$(( retries_left - 1 ))
-        attempt=$(( attempt + 1 ))
-        continue
-      fi
-      echo "lane: $name did not finish: its L1 got stuck again, or the lane's retries are used up; its tests count as failed"
-    elif [ "$status" -eq 75 ]; then
-      # L1 got stuck after the binary had reported: its result stands as it printed it.
-      if grep -q '^test result: ok' "$output"; then status=0; fi
-    fi
-    break
-  done
-  [ "$status" -eq 0 ] || failed=1
+  if [ "${result[$name]:-}" != ok ]; then
+    failed=1
+    [ -n "${result[$name]:-}" ] || echo "lane: $name did not run"
+  fi
 done
 
 count() { grep -cx "$1" "$events"; }
