@@ -9,7 +9,7 @@
 )]
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -22,11 +22,12 @@ fn ctx() -> ttrpc::context::Context {
     ttrpc::context::with_duration(Duration::from_secs(10))
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("agent-process-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+/// A fresh temporary folder for test `name`, removed when the value is dropped.
+fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("agent-process-{name}-"))
+        .tempdir()
+        .expect("a temporary folder")
 }
 
 /// Reads the agent's stdout up to its ready line, which must be the first line.
@@ -70,7 +71,8 @@ fn check_matches_this_host(client: &AgentClient) {
 
 #[test]
 fn serves_check_then_exits_on_shutdown_as_ordinary_process() {
-    let dir = temp_dir("plain");
+    let dir_tmp = temp_dir("plain");
+    let dir = dir_tmp.path().to_path_buf();
     let sock = dir.join("agent.sock");
     let mut child = Command::new(AGENT)
         .arg("--listen")
@@ -88,7 +90,6 @@ fn serves_check_then_exits_on_shutdown_as_ordinary_process() {
         .expect("shutdown");
     let status = wait_exit(&mut child, Duration::from_secs(10));
     assert!(status.success(), "{status}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn mountinfo_has(mountinfo: &str, target: &str, fstype: &str) -> bool {
@@ -108,7 +109,8 @@ fn as_pid1_of_a_namespace_mounts_names_serves_and_reboots_only_its_namespace() {
         euid, 0,
         "creating namespaces needs root, as CI runs this test"
     );
-    let dir = temp_dir("pid1");
+    let dir_tmp = temp_dir("pid1");
+    let dir = dir_tmp.path().to_path_buf();
     let sock = dir.join("agent.sock");
     let host_name = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
     let mut child = Command::new("unshare")
@@ -189,5 +191,4 @@ fn as_pid1_of_a_namespace_mounts_names_serves_and_reboots_only_its_namespace() {
                 .unwrap_or(true)
         }
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

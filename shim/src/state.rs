@@ -398,6 +398,8 @@ const PF_EXITING: u64 = 0x4;
 pub struct ProcStat {
     /// Field 3: `R`, `S`, `D`, `Z` (zombie), `X` (dead), ...
     pub state: char,
+    /// Field 4: the parent's pid.
+    pub ppid: u32,
     /// Field 9: the kernel's `PF_*` flags.
     pub flags: u64,
     /// Field 22: the start time in clock ticks since boot.
@@ -414,12 +416,14 @@ impl ProcStat {
         // The command name (field 2) may hold spaces and parentheses: split after the last ')'.
         let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
         let state = fields.next()?.chars().next()?;
-        // From field 4 (ppid), pgrp, session, tty_nr, tpgid: flags is field 9.
-        let flags = fields.nth(5)?.parse().ok()?;
+        let ppid = fields.next()?.parse().ok()?;
+        // After pgrp, session, tty_nr, tpgid (fields 5-8): flags is field 9.
+        let flags = fields.nth(4)?.parse().ok()?;
         // Then fields 10-21 (12 of them): start time is field 22.
         let start_time = fields.nth(12)?.parse().ok()?;
         Some(ProcStat {
             state,
+            ppid,
             flags,
             start_time,
         })
@@ -528,6 +532,7 @@ mod tests {
             stat,
             ProcStat {
                 state: 'S',
+                ppid: 1,
                 flags: 4194564,
                 start_time: 987654
             }

@@ -1036,14 +1036,10 @@ fn unmount_lazy(path: &Path) {
 
 /// Whether `pid` is a live process (not gone, not a zombie waiting for its parent).
 pub fn pid_alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the parenthesised command name, which may itself hold ')'.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .map(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
-            .unwrap_or(false),
-        Err(_) => false,
-    }
+    u32::try_from(pid)
+        .ok()
+        .and_then(shim::state::ProcStat::read)
+        .is_some_and(|stat| stat.is_live())
 }
 
 /// Pids whose argv holds `socket` as an argument (shims get `-address <socket>`).

@@ -371,12 +371,12 @@ fn process_table() -> Vec<ProcEntry> {
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| crate::containerd::pid_alive(pid))
         .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // `pid (comm) state ppid ...`: comm may hold spaces and parentheses.
-            let (_, rest) = stat.rsplit_once(')')?;
-            let ppid = rest.split_whitespace().nth(1)?.parse().ok()?;
+            let stat = shim::state::ProcStat::read(u32::try_from(pid).ok()?)?;
+            if !stat.is_live() {
+                return None;
+            }
+            let ppid = i32::try_from(stat.ppid).ok()?;
             let name = std::fs::read_to_string(format!("/proc/{pid}/comm"))
                 .map(|c| c.trim().to_string())
                 .unwrap_or_default();

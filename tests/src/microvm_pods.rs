@@ -18,11 +18,7 @@ pub const STATE_ROOT: &str = "/run/microvm";
 /// The shim binary.
 pub const SHIM: &str = "containerd-shim-microvm-v1";
 
-pub fn require_root() {
-    // SAFETY: geteuid(2) has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "the containerd tests need root");
-}
+pub use testkit::require_root;
 
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -16,12 +16,8 @@ pub const POD_MAC: [u8; 6] = [0x02, 0x00, 0x5e, 0x10, 0x20, 0x30];
 /// peer0's MAC.
 pub const PEER_MAC: [u8; 6] = [0x02, 0x00, 0x5e, 0x10, 0x20, 0x31];
 
-/// Panics unless root: these tests make network namespaces.
-pub fn require_root() {
-    // SAFETY: geteuid(2) has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "the pod network tests need root");
-}
+/// These tests make network namespaces: root.
+pub use testkit::require_root;
 
 /// Runs a command; panics with its stderr when it fails.
 pub fn run(args: &[&str]) -> String {

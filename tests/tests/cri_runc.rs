@@ -14,14 +14,9 @@ use microvm_tests::lifecycle::{pods_host_memory, timed_pod_lifecycle, LifecycleT
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use testkit::require_root;
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(60);
-
-fn require_root() {
-    // SAFETY: geteuid(2) has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "the containerd tests need root");
-}
 
 async fn start() -> (PrivateContainerd, CriClient) {
     require_root();

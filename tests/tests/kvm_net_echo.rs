@@ -25,6 +25,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use microvm_tests::guest_console::{test_guest_elf, Console};
+use testkit::require_root;
 use vmm::{NetConfig, SerialSink, Vm, VmConfig, VmExit, VmHandle};
 
 const GUEST_MAC: [u8; 6] = [0x02, 0x6d, 0x76, 0x00, 0x00, 0x01];
@@ -37,15 +38,6 @@ const KIND_STOP: u8 = 2;
 const GUEST_RX_BUFS: usize = 16;
 /// Bound for each wait (kvm-pvm emulates the guest's kernel-mode code).
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn require_root() {
-    // SAFETY: geteuid has no preconditions and touches no memory.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
-        "kvm_net_echo needs root (network namespaces, taps, AF_PACKET)"
-    );
-}
 
 fn ip(args: &[&str]) -> Result<String, String> {
     let out = Command::new("ip")

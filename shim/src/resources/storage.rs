@@ -369,13 +369,7 @@ mod tests {
     use crate::state::mounts_under;
     use std::fs;
 
-    fn require_root() {
-        assert_eq!(
-            rustix::process::geteuid().as_raw(),
-            0,
-            "mounting needs root (make test runs as root)"
-        );
-    }
+    use testkit::require_root;
 
     /// The mount options /proc/self/mountinfo shows for mount point `at`.
     fn mount_options(at: &Path) -> String {

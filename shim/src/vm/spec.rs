@@ -2,6 +2,13 @@
 //! backend's programs), the words it adds to the guest's kernel command line, and the spec of
 //! the VM that captures the kernel text template for page sharing. Each backend turns a spec
 //! into its own devices (`launch`).
+//!
+//! Why a spec of our own rather than `vmm::VmConfig`: a pod's VM has two backends, and the
+//! spec says what the pod needs, not how one VMM is configured. QEMU takes it too (programs,
+//! accelerator, jail ids that the embedded VMM has no use for), and `launch::start_kvm` derives
+//! the embedded VMM's config from it by the pod's rules (the kernel command line, the console's
+//! bound, the vsock CID, the balloon and page sharing only without VFIO), so `vmm` stays free of
+//! pods, QEMU and the agent.
 
 use std::fs::File;
 use std::os::fd::OwnedFd;

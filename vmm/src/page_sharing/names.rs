@@ -140,7 +140,8 @@ mod tests {
 
     #[test]
     fn sums_are_remembered_by_the_files_identity() {
-        let d = temp_dir("sums");
+        let d_tmp = temp_dir("sums");
+        let d = d_tmp.path().to_path_buf();
         let dir = TemplateDir::open(&d.join("t")).unwrap();
         dir.put("x", b"first").unwrap();
         let mut data = dir.put("data", b"abc").unwrap();
@@ -148,6 +149,5 @@ mod tests {
         assert_eq!(sum, file_sha256(&mut data).unwrap());
         assert_eq!(std::fs::read_dir(d.join("t")).unwrap().count(), 3);
         assert_eq!(cached_file_sha256(&dir, &mut data).unwrap(), sum);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -297,7 +297,6 @@ mod tests {
     use crate::page_sharing::proc_self::PM_FILE_OR_SHARED;
     use crate::page_sharing::test_fixtures::{sample_files, temp_dir};
     use crate::page_sharing::{TemplateDir, TemplateView};
-    use std::path::PathBuf;
     use vm_memory::{Bytes, GuestAddress};
 
     /// The host pages of guest memory at `guest` (one page) as pagemap sees them.
@@ -312,7 +311,8 @@ mod tests {
 
     #[test]
     fn zero_pages_are_dropped_and_equal_pages_mapped_from_the_template() {
-        let d = temp_dir("pass");
+        let d_tmp = temp_dir("pass");
+        let d = d_tmp.path().to_path_buf();
         let dir = TemplateDir::open(&d).unwrap();
         let (a, _) = sample_files();
         // Template: three pages of `a` (page 2 partly zero) and an all-zero page.
@@ -366,14 +366,14 @@ mod tests {
         share_paused(&mem, &index, &mut again).unwrap();
         assert_eq!(again.shared, vec![0], "{again}");
         assert_eq!(again.zero_dropped, 0, "{again}");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// A template directory under `tag` holding one template "x": the first sample file,
-    /// padded to two pages. Returns the directory, the template's bytes and its index.
-    fn two_page_template(tag: &str) -> (PathBuf, Vec<u8>, TemplateIndex) {
+    /// padded to two pages. Returns the directory (removed when dropped), the template's bytes
+    /// and its index.
+    fn two_page_template(tag: &str) -> (tempfile::TempDir, Vec<u8>, TemplateIndex) {
         let d = temp_dir(tag);
-        let dir = TemplateDir::open(&d).unwrap();
+        let dir = TemplateDir::open(d.path()).unwrap();
         let (mut t, _) = sample_files();
         t.resize(2 * PAGE, 0);
         let mut index = TemplateIndex::default();
@@ -383,7 +383,7 @@ mod tests {
 
     #[test]
     fn a_wrong_template_shares_nothing() {
-        let (d, t, index) = two_page_template("wrong");
+        let (_d, t, index) = two_page_template("wrong");
         let mem = create_guest_memory(2 << 20).unwrap();
         // Pages whose hash could match nothing in the template, and one differing at the end.
         let mut p = t[..PAGE].to_vec();
@@ -395,12 +395,11 @@ mod tests {
         assert_eq!(report.shared, vec![0]);
         assert_eq!(report.misses, 1);
         assert!(guest_bytes(&mem) == before);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn the_mapping_budget_leaves_the_rest_counted() {
-        let (d, t, index) = two_page_template("budget");
+        let (_d, t, index) = two_page_template("budget");
         let mem = create_guest_memory(2 << 20).unwrap();
         // Two runs (not adjacent): one mapping allowed.
         mem.write_slice(&t[..PAGE], GuestAddress(0x10_0000))
@@ -413,7 +412,6 @@ mod tests {
         assert_eq!(report.shared, vec![1], "{report}");
         assert_eq!(report.skipped, 1, "{report}");
         assert!(guest_bytes(&mem) == before);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     fn guest_bytes(mem: &GuestMemory) -> Vec<u8> {
@@ -424,7 +422,8 @@ mod tests {
 
     #[test]
     fn zero_pages_in_a_file_mapping_become_anonymous_zero_memory() {
-        let d = temp_dir("filezero");
+        let d_tmp = temp_dir("filezero");
+        let d = d_tmp.path().to_path_buf();
         let dir = TemplateDir::open(&d).unwrap();
         let (a, _) = sample_files();
         let mut content = a.clone();
@@ -453,7 +452,6 @@ mod tests {
         share_paused(&mem, &TemplateIndex::default(), &mut report).unwrap();
         assert_eq!(report.zero_dropped, 1, "{report}");
         assert!(guest_bytes(&mem) == before);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

@@ -234,7 +234,8 @@ mod tests {
 
     #[test]
     fn template_dir_is_private_and_templates_are_read_only() {
-        let d = temp_dir("dir");
+        let d_tmp = temp_dir("dir");
+        let d = d_tmp.path().to_path_buf();
         let dir = TemplateDir::open(&d.join("t")).unwrap();
         let mode = std::fs::metadata(d.join("t")).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o700);
@@ -256,6 +257,5 @@ mod tests {
             TemplateDir::open(&d.join("t")),
             Err(PageSharingError::TemplateDir { .. })
         ));
-        std::fs::remove_dir_all(&d).unwrap();
     }
 }

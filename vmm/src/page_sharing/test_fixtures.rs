@@ -1,8 +1,6 @@
 //! What the unit tests of the folder share: newc archives built from entries, two sample
 //! files, and a fresh temporary directory per test.
 
-use std::path::PathBuf;
-
 /// The entries as given (a trailer only if listed), inodes numbered from 1.
 pub(super) fn newc(entries: &[(&str, u32, &[u8])]) -> Vec<u8> {
     let mut cpio = Vec::new();
@@ -19,14 +17,12 @@ pub(super) fn sample_files() -> (Vec<u8>, Vec<u8>) {
     (a, b)
 }
 
-/// A path in the temporary directory for test `tag` of this process and thread, removed if it
-/// was there.
-pub(super) fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "page-sharing-{tag}-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A fresh temporary folder (mode 0700) for test `tag`, removed when the value is dropped.
+pub(super) fn temp_dir(tag: &str) -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    tempfile::Builder::new()
+        .prefix(&format!("page-sharing-{tag}-"))
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir()
+        .expect("a temporary folder")
 }

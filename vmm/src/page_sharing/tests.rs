@@ -58,7 +58,8 @@ fn inode(f: &File) -> u64 {
 
 #[test]
 fn prepare_streams_the_initrd_template_once() {
-    let d = temp_dir("prepare");
+    let d_tmp = temp_dir("prepare");
+    let d = d_tmp.path().to_path_buf();
     let (initrd_path, cpio) = test_initrd(&d);
     let mut sharing = test_sharing(&d, NODE_DOMAIN, false, &initrd_path, 0);
     assert_eq!(
@@ -89,7 +90,6 @@ fn prepare_streams_the_initrd_template_once() {
         std::fs::read_dir(d.join(NODE_DOMAIN)).unwrap().count(),
         before
     );
-    std::fs::remove_dir_all(&d).unwrap();
     std::fs::remove_file(&initrd_path).unwrap();
 }
 
@@ -98,7 +98,8 @@ fn prepare_streams_the_initrd_template_once() {
 /// at all: the shim logs the error).
 #[test]
 fn a_template_failing_a_check_is_refused_with_its_reason() {
-    let d = temp_dir("checks");
+    let d_tmp = temp_dir("checks");
+    let d = d_tmp.path().to_path_buf();
     let (initrd_path, cpio) = test_initrd(&d);
     // A first VM makes the good template; keep its bytes and name.
     let mut sharing = test_sharing(&d, "ns-x", false, &initrd_path, 0);
@@ -214,7 +215,6 @@ fn a_template_failing_a_check_is_refused_with_its_reason() {
     let mut vm = test_sharing(&d, "ns-x", false, &initrd_path, 0);
     let e = vm.prepare().unwrap_err().to_string();
     assert!(e.contains("2 bytes, expected 64"), "{e}");
-    std::fs::remove_dir_all(&d).unwrap();
     std::fs::remove_file(&initrd_path).unwrap();
 }
 
@@ -222,7 +222,8 @@ fn a_template_failing_a_check_is_refused_with_its_reason() {
 /// is refused; a domain name that is not one safe component is refused.
 #[test]
 fn template_directories_are_checked_and_domains_are_safe_names() {
-    let d = temp_dir("dirs");
+    let d_tmp = temp_dir("dirs");
+    let d = d_tmp.path().to_path_buf();
     let (initrd_path, _) = test_initrd(&d);
     std::fs::create_dir_all(d.join("real")).unwrap();
     std::fs::set_permissions(d.join("real"), std::fs::Permissions::from_mode(0o700)).unwrap();
@@ -255,7 +256,6 @@ fn template_directories_are_checked_and_domains_are_safe_names() {
     assert_ne!(shop, namespace_domain("shop2"));
     assert_eq!(namespace_domain("../../etc").len(), 3 + 32);
     assert!(valid_domain(&namespace_domain("../../etc")));
-    std::fs::remove_dir_all(&d).unwrap();
     std::fs::remove_file(&initrd_path).unwrap();
 }
 
@@ -264,7 +264,8 @@ fn template_directories_are_checked_and_domains_are_safe_names() {
 /// into each domain.
 #[test]
 fn domains_map_files_of_their_own_and_only_a_capturing_vm_captures() {
-    let d = temp_dir("domains");
+    let d_tmp = temp_dir("domains");
+    let d = d_tmp.path().to_path_buf();
     let (initrd_path, _) = test_initrd(&d);
     let mem = create_guest_memory(2 << 20).unwrap();
     let text: Vec<u8> = (0..2 * PAGE).map(|i| (i % 251) as u8 + 1).collect();
@@ -322,6 +323,5 @@ fn domains_map_files_of_their_own_and_only_a_capturing_vm_captures() {
         assert_ne!(a1[i].1, b1[i].1, "two domains map different files");
         assert_eq!(a1[i].2, b1[i].2, "of the same bytes");
     }
-    std::fs::remove_dir_all(&d).unwrap();
     std::fs::remove_file(&initrd_path).unwrap();
 }

@@ -240,11 +240,22 @@ pub enum NetworkError {
     RecordExists { path: PathBuf },
     #[error(transparent)]
     Record(#[from] crate::state::RecordError),
+    #[error("{}", several(.0))]
+    Several(Vec<NetworkError>),
     #[error("{cause}; undoing the partial setup failed too: {undo}")]
     UndoFailed {
         cause: Box<NetworkError>,
         undo: Box<NetworkError>,
     },
+}
+
+/// Several failures, each in full, in the order they happened.
+fn several(errors: &[NetworkError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn nl(action: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetworkError {

@@ -174,81 +174,106 @@ fn already_gone_is_done(result: Result<(), rtnetlink::Error>) -> Result<(), rtne
     }
 }
 
-/// Removes what the record says was added, skipping what is gone already.
+/// Removes what the record says was added, skipping what is gone already. Every link is undone
+/// even when one before it failed (a link that cannot be cleaned must not leave the next one's
+/// tap behind); the failures are reported together.
 pub(super) async fn undo_links(handle: &Handle, links: &[UndoLink]) -> Result<(), NetworkError> {
+    let mut failures = Vec::new();
     for link in links {
-        // Our tap: only a tun device of that name (deleting it takes its qdisc and filter).
-        if let Some(tap) = link_by_name(handle, &link.tap).await? {
-            if matches!(link_kind(&tap), Some(InfoKind::Tun)) {
-                match handle.link().del(tap.header.index).execute().await {
-                    Ok(()) => {}
-                    Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => {}
-                    Err(source) => {
-                        return Err(NetworkError::Netlink {
-                            action: format!("deleting tap {}", link.tap),
-                            source,
-                        })
-                    }
+        if let Err(e) = undo_link(handle, link).await {
+            failures.push(e);
+        }
+    }
+    match failures.len() {
+        0 => Ok(()),
+        1 => Err(failures.remove(0)),
+        _ => Err(NetworkError::Several(failures)),
+    }
+}
+
+/// One link's undo: our tap deleted, then the CNI interface's ingress qdisc (if we added it) or
+/// our filter on it (if the qdisc was there before us) removed.
+async fn undo_link(handle: &Handle, link: &UndoLink) -> Result<(), NetworkError> {
+    // Our tap: only a tun device of that name (deleting it takes its qdisc and filter).
+    if let Some(tap) = link_by_name(handle, &link.tap).await? {
+        if matches!(link_kind(&tap), Some(InfoKind::Tun)) {
+            match handle.link().del(tap.header.index).execute().await {
+                Ok(()) => {}
+                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => {}
+                Err(source) => {
+                    return Err(NetworkError::Netlink {
+                        action: format!("deleting tap {}", link.tap),
+                        source,
+                    })
                 }
-            } else {
-                log::warn!("{} is not a tap device any more: left in place", link.tap);
+            }
+        } else {
+            log::warn!("{} is not a tap device any more: left in place", link.tap);
+        }
+    }
+    let Some(index) = link_index(handle, &link.cni_interface).await? else {
+        return Ok(());
+    };
+    match link.cni_ingress {
+        IngressQdisc::Added => {
+            let qdiscs: Vec<TcMessage> = handle
+                .qdisc()
+                .get()
+                .execute()
+                .try_collect()
+                .await
+                .map_err(nl("listing qdiscs"))?;
+            if has_ingress_qdisc(index, &qdiscs) {
+                let mut msg = TcMessage::with_index(index as i32);
+                msg.header.parent = TcHandle::INGRESS;
+                msg.header.handle = TcHandle {
+                    major: 0xffff,
+                    minor: 0,
+                };
+                already_gone_is_done(
+                    acked(handle, RouteNetlinkMessage::DelQueueDiscipline(msg)).await,
+                )
+                .map_err(nl(format!(
+                    "{}: deleting the ingress qdisc",
+                    link.cni_interface
+                )))?;
             }
         }
-        let Some(index) = link_index(handle, &link.cni_interface).await? else {
-            continue;
-        };
-        match link.cni_ingress {
-            IngressQdisc::Added => {
-                let qdiscs: Vec<TcMessage> = handle
-                    .qdisc()
-                    .get()
-                    .execute()
-                    .try_collect()
-                    .await
-                    .map_err(nl("listing qdiscs"))?;
-                if has_ingress_qdisc(index, &qdiscs) {
-                    let mut msg = TcMessage::with_index(index as i32);
-                    msg.header.parent = TcHandle::INGRESS;
-                    msg.header.handle = TcHandle {
-                        major: 0xffff,
-                        minor: 0,
-                    };
-                    already_gone_is_done(
-                        acked(handle, RouteNetlinkMessage::DelQueueDiscipline(msg)).await,
-                    )
-                    .map_err(nl(format!(
-                        "{}: deleting the ingress qdisc",
-                        link.cni_interface
-                    )))?;
+        IngressQdisc::Existing => {
+            let listed: Result<Vec<TcMessage>, _> = handle
+                .traffic_filter(index as i32)
+                .get()
+                .ingress()
+                .execute()
+                .try_collect()
+                .await;
+            let filters = match listed {
+                Ok(filters) => filters,
+                // The interface went away since we looked it up: so did its filters.
+                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => {
+                    return Ok(())
                 }
-            }
-            IngressQdisc::Existing => {
-                let filters: Vec<TcMessage> = handle
-                    .traffic_filter(index as i32)
-                    .get()
-                    .ingress()
-                    .execute()
-                    .try_collect()
-                    .await
-                    .map_err(nl(format!(
-                        "{}: listing ingress filters",
-                        link.cni_interface
-                    )))?;
-                if filters
-                    .iter()
-                    .any(|f| (f.header.info >> 16) as u16 == FILTER_PRIORITY)
-                {
-                    let mut msg = TcMessage::with_index(index as i32);
-                    msg.header.parent = INGRESS_PARENT;
-                    msg.header.info = (u32::from(FILTER_PRIORITY) << 16) | u32::from(PROTOCOL_ALL);
-                    already_gone_is_done(
-                        acked(handle, RouteNetlinkMessage::DelTrafficFilter(msg)).await,
-                    )
-                    .map_err(nl(format!(
-                        "{}: deleting our ingress filter",
-                        link.cni_interface
-                    )))?;
+                Err(source) => {
+                    return Err(NetworkError::Netlink {
+                        action: format!("{}: listing ingress filters", link.cni_interface),
+                        source,
+                    })
                 }
+            };
+            if filters
+                .iter()
+                .any(|f| (f.header.info >> 16) as u16 == FILTER_PRIORITY)
+            {
+                let mut msg = TcMessage::with_index(index as i32);
+                msg.header.parent = INGRESS_PARENT;
+                msg.header.info = (u32::from(FILTER_PRIORITY) << 16) | u32::from(PROTOCOL_ALL);
+                already_gone_is_done(
+                    acked(handle, RouteNetlinkMessage::DelTrafficFilter(msg)).await,
+                )
+                .map_err(nl(format!(
+                    "{}: deleting our ingress filter",
+                    link.cni_interface
+                )))?;
             }
         }
     }

@@ -237,7 +237,8 @@ mod tests {
 
     #[test]
     fn cmdline_has_timing_and_extra() {
-        let d = temp_dir("cmdline");
+        let d_tmp = temp_dir("cmdline");
+        let d = d_tmp.path().to_path_buf();
         let mut c = cfg_in(&d);
         c.cmdline_extra = " quiet ".into();
         let line = kernel_cmdline(&c);
@@ -248,23 +249,23 @@ mod tests {
             (100_000..20_000_000).contains(&khz),
             "implausible TSC {khz} kHz"
         );
-        fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn reads_hz_beside_the_kernel() {
-        let d = temp_dir("hz");
+        let d_tmp = temp_dir("hz");
+        let d = d_tmp.path().to_path_buf();
         fs::write(d.join("vmlinux"), b"x").unwrap();
         fs::write(d.join("config"), "CONFIG_X=y\nCONFIG_HZ=100\n").unwrap();
         assert_eq!(kernel_hz(&d.join("vmlinux")), Some(100));
         fs::remove_file(d.join("config")).unwrap();
         assert_eq!(kernel_hz(&d.join("vmlinux")), None);
-        fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn disks_are_passed_as_fds_with_their_serial_and_mode() {
-        let dir = temp_dir("disks");
+        let dir_tmp = temp_dir("disks");
+        let dir = dir_tmp.path().to_path_buf();
         let mut cfg = cfg_in(&dir);
         let file = |name: &str| {
             let p = dir.join(name);
@@ -306,12 +307,12 @@ mod tests {
             assert!(cfg.validate().is_err(), "{bad:?}");
         }
         paths.remove_all();
-        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn free_page_reporting_adds_the_balloon_after_the_disks() {
-        let dir = temp_dir("balloon");
+        let dir_tmp = temp_dir("balloon");
+        let dir = dir_tmp.path().to_path_buf();
         let mut cfg = cfg_in(&dir);
         cfg.validate().unwrap();
         let paths = VmPaths::new(&cfg).unwrap();
@@ -326,7 +327,6 @@ mod tests {
             "before the console and kernel: {args}"
         );
         paths.remove_all();
-        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -336,7 +336,8 @@ mod tests {
 
     #[test]
     fn shared_fs_adds_the_vhost_user_fs_device_and_checks_its_tag() {
-        let dir = temp_dir("shared-fs");
+        let dir_tmp = temp_dir("shared-fs");
+        let dir = dir_tmp.path().to_path_buf();
         let mut cfg = cfg_in(&dir);
         cfg.shared_fs = Some(QemuSharedFs {
             tag: "microvm-shared".into(),
@@ -360,6 +361,5 @@ mod tests {
         });
         assert!(cfg.validate().is_err());
         paths.remove_all();
-        let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -468,7 +468,8 @@ mod tests {
 
     #[test]
     fn a_binary_that_is_not_an_init_is_refused_and_leaves_nothing() {
-        let d = temp_dir("not-init");
+        let d_tmp = temp_dir("not-init");
+        let d = d_tmp.path().to_path_buf();
         let mut c = cfg_in(&d);
         // This test binary: it runs no test for the arguments `__pod-init <dir>` and exits.
         c.init_binary = PathBuf::from(init::DEFAULT_BINARY);
@@ -479,7 +480,6 @@ mod tests {
         );
         assert!(err.to_string().contains("__pod-init"), "{err}");
         assert!(!d.join("w").exists(), "work dir left behind");
-        fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -487,7 +487,8 @@ mod tests {
         if !rustix::process::geteuid().is_root() {
             panic!("this test needs root");
         }
-        let d = temp_dir("init-dies");
+        let d_tmp = temp_dir("init-dies");
+        let d = d_tmp.path().to_path_buf();
         let (tx, rx) = std::sync::mpsc::channel();
         let work = d.clone();
         thread::spawn(move || {
@@ -540,7 +541,6 @@ mod tests {
         }
         reap(child);
         reap(init_pid);
-        fs::remove_dir_all(&d).unwrap();
         assert!(
             !child_left,
             "the jailed child {child} outlived the thread that started it"
@@ -553,7 +553,8 @@ mod tests {
 
     #[test]
     fn rejects_bad_sizes_and_cid() {
-        let d = temp_dir("sizes");
+        let d_tmp = temp_dir("sizes");
+        let d = d_tmp.path().to_path_buf();
         for (vcpus, mem, cid) in [(0, 256, 3), (256, 256, 3), (1, 0, 3), (1, 256, 2)] {
             let mut c = cfg_in(&d);
             c.vcpus = vcpus;
@@ -562,12 +563,12 @@ mod tests {
             let err = QemuVm::start(c).unwrap_err();
             assert!(matches!(err, QemuError::InvalidConfig(_)), "{err}");
         }
-        fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn missing_kernel_is_named() {
-        let d = temp_dir("missing");
+        let d_tmp = temp_dir("missing");
+        let d = d_tmp.path().to_path_buf();
         let mut c = cfg_in(&d);
         c.kernel = d.join("no-such-vmlinux");
         let err = QemuVm::start(c).unwrap_err().to_string();
@@ -576,12 +577,12 @@ mod tests {
             "{err}"
         );
         assert!(!d.join("w").exists(), "work dir created before validation");
-        fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn missing_backend_binary_fails_and_cleans_up() {
-        let d = temp_dir("nobackend");
+        let d_tmp = temp_dir("nobackend");
+        let d = d_tmp.path().to_path_buf();
         let err = QemuVm::start(cfg_in(&d)).unwrap_err();
         assert!(
             matches!(err, QemuError::BackendJail(BackendJailError::Open { .. })),
@@ -589,12 +590,12 @@ mod tests {
         );
         assert!(err.to_string().contains("/nonexistent/vhost-device-vsock"));
         assert!(!d.join("w").exists(), "work dir left behind");
-        fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_dynamically_linked_or_script_backend_fails_naming_why_and_cleans_up() {
-        let d = temp_dir("dynamic-backend");
+        let d_tmp = temp_dir("dynamic-backend");
+        let d = d_tmp.path().to_path_buf();
         let script = d.join("backend.sh");
         fs::write(&script, "#!/bin/sh\nexec sleep 30\n").unwrap();
         fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
@@ -621,7 +622,6 @@ mod tests {
             );
             assert!(!d.join("w").exists(), "work dir left behind");
         }
-        fs::remove_dir_all(&d).unwrap();
     }
 
     /// A system call outside vhost-device-vsock's filter kills it: the real backend, under its
@@ -633,7 +633,8 @@ mod tests {
         if !rustix::process::geteuid().is_root() {
             panic!("this test needs root (the backend's jail)");
         }
-        let d = temp_dir("filter-kills");
+        let d_tmp = temp_dir("filter-kills");
+        let d = d_tmp.path().to_path_buf();
         let mut c = cfg_in(&d);
         c.vhost_vsock_binary = real_vsock_backend();
         backend_jail::tests::leave_out_of_filter(Some(libc::SYS_bind));
@@ -657,22 +658,22 @@ mod tests {
             "the backend did not start under its whole filter: {err}"
         );
         assert!(!d.join("w").exists(), "work dir left behind");
-        fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn long_socket_path_is_refused() {
-        let d = temp_dir("long");
+        let d_tmp = temp_dir("long");
+        let d = d_tmp.path().to_path_buf();
         let mut c = cfg_in(&d);
         c.work_dir = d.join("x".repeat(120));
         let err = QemuVm::start(c).unwrap_err();
         assert!(matches!(err, QemuError::SocketPathTooLong { .. }), "{err}");
-        fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn missing_virtiofsd_fails_and_cleans_up() {
-        let dir = temp_dir("no-virtiofsd");
+        let dir_tmp = temp_dir("no-virtiofsd");
+        let dir = dir_tmp.path().to_path_buf();
         let mut cfg = cfg_in(&dir);
         cfg.vhost_vsock_binary = real_vsock_backend();
         cfg.shared_fs = Some(QemuSharedFs {
@@ -683,12 +684,12 @@ mod tests {
         let err = QemuVm::start(cfg).unwrap_err().to_string();
         assert!(err.contains("/nonexistent/virtiofsd"), "{err}");
         assert!(!dir.join("w").exists());
-        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_virtiofsd_refusing_our_options_fails_naming_the_rust_one_and_cleans_up() {
-        let dir = temp_dir("old-virtiofsd");
+        let dir_tmp = temp_dir("old-virtiofsd");
+        let dir = dir_tmp.path().to_path_buf();
         let mut cfg = cfg_in(&dir);
         // The real vsock backend (a stand-in script cannot run in its jail).
         cfg.vhost_vsock_binary = real_vsock_backend();
@@ -715,6 +716,5 @@ mod tests {
             "{err}"
         );
         assert!(!dir.join("w").exists(), "the work dir is left");
-        let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -361,7 +361,8 @@ mod tests {
     #[test]
     fn the_console_pump_keeps_a_flood_within_its_bound_and_drains_at_eof() {
         use std::io::Write;
-        let d = temp_dir("pump");
+        let d_tmp = temp_dir("pump");
+        let d = d_tmp.path().to_path_buf();
         let path = d.join("console.log");
         let bound = 16 << 10;
         let mut pump = ConsolePump::start(&path, bound).unwrap();
@@ -383,7 +384,6 @@ mod tests {
         assert!(size(&path) + size(&previous) <= bound);
         let tail = vmm::console_log::tail(&path, 4096, 1);
         assert!(tail.starts_with("flood line 04999"), "{tail}");
-        let _ = fs::remove_dir_all(&d);
     }
 
     /// The status lines of `cat /proc/self/status` run as a confined helper.

@@ -40,11 +40,12 @@ pub(super) fn shim_binary() -> PathBuf {
     bin
 }
 
-pub(super) fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("qemu-unit-{name}-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&d);
-    fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh temporary folder for test `name`, removed when the value is dropped.
+pub(super) fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("qemu-unit-{name}-"))
+        .tempdir()
+        .expect("a temporary folder")
 }
 
 /// The static vhost-device-vsock scripts/install-vhost-device-vsock.sh installs (`make
