@@ -6,10 +6,11 @@
 # Prints the initrd's path. Honours CARGO_TARGET_DIR.
 #
 # --hostile-test-hooks builds the agent with its HOSTILE TEST HOOKS (guest-agent/src/hostile.rs:
-# an agent that attacks the host, for tests/tests/cri_microvm_hostile_agent.rs) into a target
-# folder of its own and writes build/initrd-hostile.cpio instead. The product initrd never holds
-# them: without the option the agent is built without the feature, and an agent binary that
-# holds the hooks' marker is refused.
+# an agent that attacks the host, for tests/tests/cri_microvm_hostile_agent.rs) and writes
+# build/initrd-hostile.cpio instead. The product initrd never holds them: without the option the
+# agent is built without the feature (the two builds share the target folder and so the
+# dependencies, built once; cargo relinks the agent whenever the feature changes), and an agent
+# binary that holds the hooks' marker is refused.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -23,8 +24,6 @@ case ${1:-} in
   --hostile-test-hooks)
     hostile=1
     features=(--features hostile-test-hooks)
-    # Its own target folder: the product agent binary is never overwritten by this one.
-    target_dir=$target_dir/hostile-agent
     out=$out_dir/initrd-hostile.cpio ;;
   '') ;;
   *) echo "usage: $0 [--hostile-test-hooks]" >&2; exit 2 ;;
