@@ -158,6 +158,34 @@ else
   exit 1
 fi
 
+# The fuzz smoke run and cargo deny, from here on at the lowest priority: they take the cycles
+# the builds and tests below leave idle (the host's tests mostly wait on their VMs). Their
+# output is printed at the end. Each fuzz target counts as a test
+# below: passed, or failed when it crashed, hung or ran out of memory; a smoke run that ended
+# before its closing line (the build failed) counts one failure (docs/fuzzing.md). cargo deny
+# checks licenses, bans and sources (deny.toml; no advisory database is reachable offline:
+# docs/security.md) and counts as one test; so does clippy on the fuzz package (its own
+# workspace, which the clippy section above does not reach).
+(
+  echo "== fuzz smoke (at $(elapsed))"
+  nice -n 19 scripts/fuzz-smoke.sh
+  echo "== cargo deny (at $(elapsed))"
+  if deny=$(INSTALL_NICE=19 scripts/install-cargo-deny.sh | tail -n 1) &&
+    "$deny/cargo-deny" --offline check licenses bans sources; then
+    echo "cargo deny: ok"
+  else
+    echo "cargo deny: FAILED"
+  fi
+  echo "== fuzz package: clippy (at $(elapsed))"
+  if nice -n 19 cargo clippy --manifest-path fuzz/Cargo.toml --release --all-targets -- -D warnings; then
+    echo "fuzz clippy: ok"
+  else
+    echo "fuzz clippy: FAILED"
+  fi
+  echo "== fuzz and deny: done (at $(elapsed))"
+) >"$side_log" 2>&1 &
+side_pid=$!
+
 echo "== building the other tests (at $(elapsed))"
 # A build that fails fails every section after it.
 cargo test --release --workspace --no-run 2>&1 || status_all=1
@@ -193,32 +221,6 @@ for version in trixie:$pod_suites sid:$pod_suites,cri_microvm_sandbox_api; do
   fi
 done
 
-# The fuzz smoke run and cargo deny, at the lowest priority beside what still runs (the lane, or
-# the direct run below). Their output is printed at the end. Each fuzz target counts as a test
-# below: passed, or failed when it crashed, hung or ran out of memory; a smoke run that ended
-# before its closing line (the build failed) counts one failure (docs/fuzzing.md). cargo deny
-# checks licenses, bans and sources (deny.toml; no advisory database is reachable offline:
-# docs/security.md) and counts as one test; so does clippy on the fuzz package (its own
-# workspace, which the clippy section above does not reach).
-(
-  echo "== fuzz smoke (at $(elapsed))"
-  nice -n 19 scripts/fuzz-smoke.sh
-  echo "== cargo deny (at $(elapsed))"
-  if deny=$(INSTALL_NICE=19 scripts/install-cargo-deny.sh | tail -n 1) &&
-    "$deny/cargo-deny" --offline check licenses bans sources; then
-    echo "cargo deny: ok"
-  else
-    echo "cargo deny: FAILED"
-  fi
-  echo "== fuzz package: clippy (at $(elapsed))"
-  if nice -n 19 cargo clippy --manifest-path fuzz/Cargo.toml --release --all-targets -- -D warnings; then
-    echo "fuzz clippy: ok"
-  else
-    echo "fuzz clippy: FAILED"
-  fi
-  echo "== fuzz and deny: done (at $(elapsed))"
-) >"$side_log" 2>&1 &
-side_pid=$!
 
 if [ $direct -eq 1 ]; then
   echo "== linux guests on the embedded vmm: directly on this host's KVM (at $(elapsed))"

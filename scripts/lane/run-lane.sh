@@ -4,12 +4,13 @@
 #
 #   scripts/lane/run-lane.sh [--events FILE] name=<exe>[@<containerd bin dir>] ...
 #
-# All of them in one L1 (scripts/lane/run-in-l1.sh --vfio running
-# scripts/lane/embedded-vmm-tests.sh), one after the other, each under its own bound inside L1,
-# and L1 under the sum of those bounds plus its boot on the host. An L1 boots once, not once a
-# binary (each boot with its check-host costs 15 s on an idle host, a minute on a busy one).
+# Each binary in an L1 of its own (scripts/lane/run-in-l1.sh --vfio running
+# scripts/lane/embedded-vmm-tests.sh), under its own bound inside L1 and L1 under that bound plus
+# its boot on the host. MICROVM_LANE_L1=one runs them all in one L1 instead, one after the other,
+# L1 under the sum of their bounds: one boot and check-host instead of one a binary (15 s each on
+# an idle host, a minute on a busy one); not make test's way yet (docs/nested-lane.md says why).
 #
-# When that L1 does not get to the end (it got stuck: frozen or stalled, its heartbeat stopped
+# When an L1 does not get to the end (it got stuck: frozen or stalled, its heartbeat stopped
 # and run-in-l1.sh killed it, exit 75; or it crashed or reached its bound), the binaries it had
 # not begun run in a fresh L1, said with a RETRY line. The binary it was running when it got
 # stuck runs there again too, once: a stuck L1 is L1's failure, not the binary's. A binary that
@@ -48,50 +49,59 @@ outcomes() {
   ' "$1"
 }
 
-pending=("$@")
 declare -A result=()
 declare -A stuck_once=()
-while [ ${#pending[@]} -gt 0 ]; do
-  # Each binary's own bound, L1's boot (10-40 s), and stage 2's dump before the host's kill.
-  timeout=240
-  for arg in "${pending[@]}"; do
-    timeout=$(( timeout + $("$here/embedded-vmm-tests.sh" --limit "${arg%%=*}") ))
-  done
-  "$here/run-in-l1.sh" --vfio --timeout "$timeout" --events "$events" -- \
-    "$here/embedded-vmm-tests.sh" "${pending[@]}" 2>&1 | tee "$output"
-  status=${PIPESTATUS[0]}
-  while read -r name state; do result[$name]=$state; done < <(outcomes "$output")
+# run_in_l1s BINARY...: the binaries in one L1, and what it left undone in fresh ones.
+run_in_l1s() {
+  local pending=("$@") arg name timeout status again cut
+  while [ ${#pending[@]} -gt 0 ]; do
+    # Each binary's own bound, L1's boot (10-40 s), and stage 2's dump before the host's kill.
+    timeout=240
+    for arg in "${pending[@]}"; do
+      timeout=$(( timeout + $("$here/embedded-vmm-tests.sh" --limit "${arg%%=*}") ))
+    done
+    "$here/run-in-l1.sh" --vfio --timeout "$timeout" --events "$events" -- \
+      "$here/embedded-vmm-tests.sh" "${pending[@]}" 2>&1 | tee "$output"
+    status=${PIPESTATUS[0]}
+    while read -r name state; do result[$name]=$state; done < <(outcomes "$output")
 
-  # What this L1 left undone: the binary it was in (reported no result) and those it never began.
-  again=()
-  cut=
-  for arg in "${pending[@]}"; do
-    name=${arg%%=*}
-    case "${result[$name]:-}" in
-      ok|FAILED) ;;
-      begun)
-        # Stuck in L1 while it ran: once more. Otherwise (its bound, a crash): as it ran.
-        if [ "$status" -eq 75 ] && [ -z "${stuck_once[$name]:-}" ]; then
-          stuck_once[$name]=1
-          cut=$name
-          again+=("$arg")
-        fi
-        ;;
-      *) again+=("$arg") ;;
-    esac
+    # What this L1 left undone: the binary it was in (reported no result) and those it never began.
+    again=()
+    cut=
+    for arg in "${pending[@]}"; do
+      name=${arg%%=*}
+      case "${result[$name]:-}" in
+        ok|FAILED) ;;
+        begun)
+          # Stuck in L1 while it ran: once more. Otherwise (its bound, a crash): as it ran.
+          if [ "$status" -eq 75 ] && [ -z "${stuck_once[$name]:-}" ]; then
+            stuck_once[$name]=1
+            cut=$name
+            again+=("$arg")
+          fi
+          ;;
+        *) again+=("$arg") ;;
+      esac
+    done
+    [ ${#again[@]} -gt 0 ] || break
+    # A live L1 that got to the end (status 0 or 1) left nothing undone; anything else did.
+    case "$status" in 0|1) break ;; esac
+    if [ "$retries_left" -le 0 ]; then
+      echo "lane: ${again[*]%%=*} did not run: L1 did not get to the end (exit $status: $(tail -n1 "$events")) and the lane's retries are used up; their tests count as failed"
+      break
+    fi
+    echo "RETRY: L1 did not get to the end (exit $status: $(tail -n1 "$events"))${cut:+ while $cut ran}; running ${again[*]%%=*} in a fresh L1"
+    echo retry >>"$events"
+    retries_left=$(( retries_left - 1 ))
+    pending=("${again[@]}")
   done
-  [ ${#again[@]} -gt 0 ] || break
-  # A live L1 that got to the end (status 0 or 1) left nothing undone; anything else did.
-  case "$status" in 0|1) break ;; esac
-  if [ "$retries_left" -le 0 ]; then
-    echo "lane: ${again[*]%%=*} did not run: L1 did not get to the end (exit $status: $(tail -n1 "$events")) and the lane's retries are used up; their tests count as failed"
-    break
-  fi
-  echo "RETRY: L1 did not get to the end (exit $status: $(tail -n1 "$events"))${cut:+ while $cut ran}; running ${again[*]%%=*} in a fresh L1"
-  echo retry >>"$events"
-  retries_left=$(( retries_left - 1 ))
-  pending=("${again[@]}")
-done
+}
+
+if [ "${MICROVM_LANE_L1:-each}" = one ]; then
+  run_in_l1s "$@"
+else
+  for arg in "$@"; do run_in_l1s "$arg"; done
+fi
 
 failed=0
 for arg in "$@"; do
