@@ -635,6 +635,75 @@ mod tests {
         assert_eq!(spec["annotations"]["io.kubernetes.cri.sandbox-id"], "s1");
     }
 
+    /// What the agent gets: containerd's spec of an app container (1.7's, the seccomp profile
+    /// shortened) rewritten on the host, serialized, typed again by `oci-spec` as the agent
+    /// types it: the rewritten root, mounts and namespaces, and all else as containerd wrote it.
+    #[test]
+    fn the_agent_types_the_rewritten_spec_with_all_containerd_wrote() {
+        let text = include_bytes!("testdata/containerd-app-spec.json");
+        let original: Value = serde_json::from_slice(text).unwrap();
+        let mut spec = parse_spec(text).unwrap();
+        let binds = rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        let wire = serde_json::to_vec(&spec).unwrap();
+        let agent: Spec = serde_json::from_slice(&wire).unwrap();
+        assert_eq!(agent, spec);
+        let got = untyped(&agent);
+        // Rewritten.
+        assert_eq!(got["root"], json!({"path": "/run/microvm-shared/c1/rootfs"}));
+        assert!(got.get("hooks").is_none());
+        assert!(got["linux"].get("cgroupsPath").is_none());
+        assert_eq!(
+            got["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "mount"}, {"type": "cgroup"}])
+        );
+        let mounts = got["mounts"].as_array().unwrap();
+        let before = original["mounts"].as_array().unwrap();
+        assert_eq!(mounts.len(), before.len());
+        assert_eq!(binds.len(), 7);
+        for (n, (m, b)) in mounts.iter().zip(before).enumerate() {
+            assert_eq!(m["destination"], b["destination"]);
+            if b["type"] != "bind" {
+                assert_eq!(m, b);
+                continue;
+            }
+            assert_eq!(
+                m["source"].as_str().unwrap(),
+                format!("/run/microvm-shared/c1/mounts/{n}")
+            );
+            let mut options = b["options"].as_array().unwrap().clone();
+            if options.contains(&json!("rshared")) {
+                let key = volume_key(Path::new(b["source"].as_str().unwrap()), false);
+                options.push(json!(format!("{VOLUME_KEY_OPTION}{key}")));
+            }
+            assert_eq!(m["options"], Value::Array(options), "{m}");
+        }
+        // As containerd wrote it (capabilities are sets: their order is not kept).
+        let sorted_caps = |mut v: Value| {
+            for set in v["capabilities"].as_object_mut().unwrap().values_mut() {
+                set.as_array_mut().unwrap().sort_by_key(|c| c.to_string());
+            }
+            v
+        };
+        assert_eq!(
+            sorted_caps(got["process"].clone()),
+            sorted_caps(original["process"].clone())
+        );
+        for pointer in [
+            "/ociVersion",
+            "/hostname",
+            "/annotations",
+            "/linux/resources",
+            "/linux/devices",
+            "/linux/sysctl",
+            "/linux/seccomp",
+            "/linux/maskedPaths",
+            "/linux/readonlyPaths",
+            "/linux/mountLabel",
+        ] {
+            assert_eq!(got.pointer(pointer), original.pointer(pointer), "{pointer}");
+        }
+    }
+
     #[test]
     fn only_a_privileged_spec_carries_the_privileged_annotation() {
         let mut forged = cri_app_spec();
