@@ -649,7 +649,10 @@ mod tests {
         assert_eq!(agent, spec);
         let got = untyped(&agent);
         // Rewritten.
-        assert_eq!(got["root"], json!({"path": "/run/microvm-shared/c1/rootfs"}));
+        assert_eq!(
+            got["root"],
+            json!({"path": "/run/microvm-shared/c1/rootfs"})
+        );
         assert!(got.get("hooks").is_none());
         assert!(got["linux"].get("cgroupsPath").is_none());
         assert_eq!(
