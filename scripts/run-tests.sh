@@ -55,23 +55,22 @@ trap finish EXIT
 trap 'exit 143' TERM INT
 status_all=0
 
-echo "== building the tests (at $(elapsed))"
-# Built once, before anything runs, so that the nested lane can start on its executables while
-# the host runs everything else (below). A build that fails fails every section after it.
-cargo test --release --workspace --no-run 2>&1 || status_all=1
-
 # The tests of Linux guests on the embedded VMM: the plain boot tests, VFIO passthrough and the
 # pod suites (containerd + CRI), by cargo target name. The first two and the page-sharing and
 # VMM-process suites are #[ignore]d in the plain run (counted here, where they run).
 embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent cri_microvm_page_sharing cri_microvm_vmm_process)
 
-# Their test executables, `name=<exe>` (built above; this only asks cargo where).
+# Their test executables, `name=<exe>`, built first (the lane starts on them). Every cargo
+# command here selects the whole workspace (`--workspace`, narrowed with `--test`), never one
+# package: features are resolved over the selected packages, and `-p microvm-tests` would build
+# these binaries a second time with other features.
 executables() {
-  cargo test --release --no-run --message-format=json -p microvm-tests \
-    $(printf -- '--test %s ' "${embedded_targets[@]}") 2>/dev/null |
+  cargo test --release --no-run --message-format=json --workspace \
+    $(printf -- '--test %s ' "${embedded_targets[@]}") |
     jq -r 'select(.reason == "compiler-artifact" and .target.kind == ["test"] and .executable != null)
            | "\(.target.name)=\(.executable)"'
 }
+echo "== building the tests of the embedded VMM (at $(elapsed))"
 mapfile -t all_exes < <(executables)
 # They again, one a line (none when none built).
 listed_exes() { [ ${#all_exes[@]} -eq 0 ] || printf '%s\n' "${all_exes[@]}"; }
@@ -159,6 +158,10 @@ else
   exit 1
 fi
 
+echo "== building the other tests (at $(elapsed))"
+# A build that fails fails every section after it.
+cargo test --release --workspace --no-run 2>&1 || status_all=1
+
 echo "== clippy (at $(elapsed))"
 cargo clippy --release --workspace --all-targets -- -D warnings || exit 1
 
@@ -182,7 +185,7 @@ for version in trixie:$pod_suites sid:$pod_suites,cri_microvm_sandbox_api; do
   tests=${version#*:}
   if bin=$(scripts/install-containerd.sh "$suite"); then
     echo "-- containerd $(cat "$bin/../../version") ($suite): ${tests//,/ }"
-    MICROVM_TEST_CONTAINERD_BIN=$bin cargo test --release --no-fail-fast -p microvm-tests \
+    MICROVM_TEST_CONTAINERD_BIN=$bin cargo test --release --no-fail-fast --workspace \
       $(printf -- '--test %s ' ${tests//,/ }) -- --test-threads=2 2>&1 | tee -a "$results" || status_all=1
   else
     echo "FAILED: could not unpack the containerd of Debian $suite (scripts/install-containerd.sh)"
