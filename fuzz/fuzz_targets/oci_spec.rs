@@ -2,14 +2,15 @@
 //! shim reads them: containerd writes them, from what the pod's author put in the pod (names,
 //! mounts, devices, sysctls, annotations), so every field is the author's to choose.
 //!
-//! A JSON spec (parsed as `shim::oci::read_spec` does) goes through the shim's readers
+//! A JSON spec (typed by `shim::oci::parse_spec`, as `shim::oci::read_spec` does) goes through the shim's readers
 //! in a pod's order: the role from the annotations, the network namespace, the host namespaces
 //! refused, the VM size and the containers' sums, the pod's sysctls, the devices and their
 //! classes, TARGET PID namespaces, and the rewrite for the guest. Or, with the first tape bit,
 //! the bytes are a protobuf `PodSandboxConfig` in CreateSandbox's options
 //! (`shim::sandbox::pod_config::PodConfig::from_request`), whose pod spec then takes the same
 //! way. Checked on a rewrite: the rootfs is the container's in the share, no hooks are left,
-//! and every bind lands under the container's own mounts folder.
+//! every bind lands under the container's own mounts folder, and the JSON the agent gets types
+//! again to the same spec.
 #![no_main]
 
 use std::collections::HashMap;
@@ -17,14 +18,14 @@ use std::collections::HashMap;
 use libfuzzer_sys::fuzz_target;
 use microvm_fuzz::tape::Tape;
 use protobuf::well_known_types::any::Any;
-use serde_json::Value;
 use shim::config::Config;
+use shim::oci::Spec;
 use shim::resources::devices::oci;
 use shim::sandbox::pod_config::{PodConfig, POD_SANDBOX_CONFIG_TYPE};
 use shim::sandbox::spec;
 use shim::task::bundle;
 
-fn walk_spec(config: &Config, mut value: Value, cid: &str, sandbox_pid: u32) {
+fn walk_spec(config: &Config, mut value: Spec, cid: &str, sandbox_pid: u32) {
     let annotations = shim::oci::annotations(&value);
     let role = bundle::Role::from_annotations(cid, &annotations);
     let _ = role.pod_id(cid);
@@ -47,10 +48,17 @@ fn walk_spec(config: &Config, mut value: Value, cid: &str, sandbox_pid: u32) {
     spec::resolve_target_pid_namespace(&mut value, &targets);
     if let Ok(binds) = spec::rewrite_for_guest(&mut value, cid, sandbox_pid) {
         assert_eq!(
-            value.pointer("/root/path").and_then(Value::as_str),
+            value.root().as_ref().and_then(|r| r.path().to_str()),
             Some(spec::guest_rootfs(cid).as_str())
         );
-        assert!(value.get("hooks").is_none());
+        assert!(value.hooks().is_none());
+        let json = serde_json::to_vec(&value).expect("a typed spec serializes");
+        let again = shim::oci::parse_spec(&json).expect("the agent's JSON types again");
+        assert_eq!(
+            serde_json::to_value(&again).expect("a typed spec serializes"),
+            serde_json::to_value(&value).expect("a typed spec serializes"),
+            "the agent reads what the shim wrote"
+        );
         let own = std::path::Path::new(cid).join("mounts");
         for b in binds {
             assert!(
@@ -85,8 +93,8 @@ fuzz_target!(
             if let Ok(pod) = PodConfig::from_request(&cid, Some(&any), netns) {
                 walk_spec(&config, pod.spec, &cid, sandbox_pid);
             }
-        } else if let Ok(value) = serde_json::from_slice::<Value>(body) {
-            walk_spec(&config, value, &cid, sandbox_pid);
+        } else if let Ok(spec) = shim::oci::parse_spec(body) {
+            walk_spec(&config, spec, &cid, sandbox_pid);
         }
     }
 );

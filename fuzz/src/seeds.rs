@@ -565,7 +565,7 @@ pub fn oci_spec() -> Vec<Vec<u8>> {
     use prost::Message;
     let app = serde_json::json!({
         "ociVersion": "1.1.0",
-        "process": {"args": ["sh"], "cwd": "/"},
+        "process": {"user": {"uid": 0, "gid": 0}, "args": ["sh"], "cwd": "/"},
         "root": {"path": "rootfs", "readonly": false},
         "hooks": {"prestart": [{"path": "/bin/true"}]},
         "mounts": [

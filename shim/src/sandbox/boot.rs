@@ -67,7 +67,7 @@ pub struct BootRequest<'a> {
     /// `<shim> delete` and the sweep after a crash); `None` outside a serving shim.
     pub shim_socket: Option<&'a str>,
     /// The pod's (or standalone container's) OCI spec.
-    pub spec: &'a serde_json::Value,
+    pub spec: &'a crate::oci::Spec,
     /// The spec's annotations.
     pub annotations: &'a HashMap<String, String>,
     /// The shim's config for this pod.
@@ -261,7 +261,7 @@ impl HostSide {
             crate::config::BootFiles::Map => vmm::BootFiles::Map,
             crate::config::BootFiles::Copy => vmm::BootFiles::Copy,
         };
-        guest.hostname = req.spec["hostname"].as_str().map(str::to_owned);
+        guest.hostname = req.spec.hostname().clone();
         guest.shared = Some(SharedDir {
             tag: spec::SHARED_FS_TAG.to_string(),
             host_dir: share.path().to_path_buf(),
@@ -390,7 +390,12 @@ fn host_cgroup(
         return Ok(None);
     }
     let (spec, annotations) = (req.spec, req.annotations);
-    let cgroups_path = spec["linux"]["cgroupsPath"].as_str().unwrap_or_default();
+    let cgroups_path = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.cgroups_path().as_deref())
+        .and_then(Path::to_str)
+        .unwrap_or_default();
     if cgroups_path.is_empty() {
         log::info!(
             "sandbox {id}: no host cgroup (the spec names no linux.cgroupsPath, so there is no \

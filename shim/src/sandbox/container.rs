@@ -22,7 +22,7 @@ pub struct NewContainer {
     /// The bundle folder (its `rootfs` is the root when containerd passes no rootfs mounts).
     pub bundle: PathBuf,
     /// The container's OCI spec, as containerd wrote it.
-    pub spec: serde_json::Value,
+    pub spec: crate::oci::Spec,
     pub rootfs: Vec<RootfsMount>,
     pub fifos: Fifos,
     /// The pod's app containers by pid, for a spec that joins another's PID namespace.

@@ -19,10 +19,10 @@ use std::collections::HashMap;
 
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use k8s_cri::v1::{NamespaceMode, PodSandboxConfig};
+use oci_spec::runtime::{LinuxNamespace, LinuxNamespaceType};
 use prost::Message;
-use serde_json::{json, Value};
 
-use crate::oci::{ANN_CONTAINER_TYPE, ANN_SANDBOX_ID};
+use crate::oci::{Spec, ANN_CONTAINER_TYPE, ANN_SANDBOX_ID};
 use crate::resources::cgroup::overhead::{self, Amounts};
 use crate::resources::devices::{POD_NAMESPACE_ANNOTATION, POD_NAME_ANNOTATION};
 
@@ -52,7 +52,7 @@ pub enum PodConfigError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PodConfig {
     /// An OCI spec with the fields a pod's boot reads (see the module doc).
-    pub spec: Value,
+    pub spec: Spec,
     /// The spec's annotations.
     pub annotations: HashMap<String, String>,
     /// The RuntimeClass overhead from `linux.overhead` (none set: empty).
@@ -92,22 +92,24 @@ impl PodConfig {
             .and_then(|s| s.namespace_options.clone())
             .unwrap_or_default();
         let node = NamespaceMode::Node as i32;
+        let namespace = |typ: LinuxNamespaceType, path: &str| {
+            let mut ns = LinuxNamespace::default();
+            ns.set_typ(typ);
+            ns.set_path(Some(path.into()).filter(|_| !path.is_empty()));
+            ns
+        };
         let mut namespaces = Vec::new();
         if ns.network != node {
-            let mut net = json!({"type": "network"});
-            if !netns_path.is_empty() {
-                net["path"] = Value::String(netns_path.to_string());
-            }
-            namespaces.push(net);
+            namespaces.push(namespace(LinuxNamespaceType::Network, netns_path));
         }
         if ns.pid != node {
-            namespaces.push(json!({"type": "pid"}));
+            namespaces.push(namespace(LinuxNamespaceType::Pid, ""));
         }
         if ns.ipc != node {
-            namespaces.push(json!({"type": "ipc"}));
+            namespaces.push(namespace(LinuxNamespaceType::Ipc, ""));
         }
-        namespaces.push(json!({"type": "uts"}));
-        namespaces.push(json!({"type": "mount"}));
+        namespaces.push(namespace(LinuxNamespaceType::Uts, ""));
+        namespaces.push(namespace(LinuxNamespaceType::Mount, ""));
 
         let mut annotations: HashMap<String, String> = config
             .annotations
@@ -140,18 +142,17 @@ impl PodConfig {
             })
             .unwrap_or_default();
 
-        let mut spec = json!({
-            "annotations": annotations,
-            "linux": {
-                "namespaces": namespaces,
-                "sysctl": linux.sysctls,
-            },
-        });
-        if !config.hostname.is_empty() {
-            spec["hostname"] = Value::String(config.hostname.clone());
-        }
+        let mut spec_linux = crate::oci::empty_linux();
+        spec_linux.set_namespaces(Some(namespaces));
+        spec_linux.set_sysctl(Some(linux.sysctls.clone()));
         if !linux.cgroup_parent.is_empty() {
-            spec["linux"]["cgroupsPath"] = Value::String(cgroups_path(&linux.cgroup_parent, id));
+            spec_linux.set_cgroups_path(Some(cgroups_path(&linux.cgroup_parent, id).into()));
+        }
+        let mut spec = crate::oci::empty_spec();
+        spec.set_annotations(Some(annotations.clone()));
+        spec.set_linux(Some(spec_linux));
+        if !config.hostname.is_empty() {
+            spec.set_hostname(Some(config.hostname.clone()));
         }
         PodConfig {
             spec,
@@ -229,17 +230,18 @@ mod tests {
     #[test]
     fn a_pod_config_becomes_the_spec_the_pause_path_reads() {
         let p = PodConfig::from_request("sb1", Some(&any(&pod())), "/var/run/netns/cni-1").unwrap();
-        assert_eq!(p.spec["linux"]["cgroupsPath"], "/kubepods/pod-u1/sb1");
+        let json = crate::oci::test_json::json(&p.spec);
+        assert_eq!(json["linux"]["cgroupsPath"], "/kubepods/pod-u1/sb1");
         assert_eq!(
             crate::oci::network_namespace(&p.spec).unwrap(),
             std::path::PathBuf::from("/var/run/netns/cni-1")
         );
         assert!(super::super::spec::refuse_host_namespaces(&p.spec).is_none());
         assert_eq!(
-            super::super::spec::pod_sysctls(&p.spec).unwrap()["net.ipv4.ip_forward"],
+            super::super::spec::pod_sysctls(&p.spec)["net.ipv4.ip_forward"],
             "1"
         );
-        assert_eq!(p.spec["hostname"], "web-0");
+        assert_eq!(json["hostname"], "web-0");
         assert_eq!(p.annotations[ANN_CPU_QUOTA], "150000");
         assert_eq!(p.annotations[ANN_MEMORY], (256u64 << 20).to_string());
         assert_eq!(p.annotations[POD_NAME_ANNOTATION], "web");
@@ -279,7 +281,9 @@ mod tests {
             "kubepods-pod1.slice:cri-containerd:sb"
         );
         let p = PodConfig::from_request("sb", None, "/n").unwrap();
-        assert!(p.spec["linux"].get("cgroupsPath").is_none());
+        assert!(crate::oci::test_json::json(&p.spec)["linux"]
+            .get("cgroupsPath")
+            .is_none());
         assert_eq!(p.overhead, Amounts::default());
         assert!(!p.annotations.contains_key(ANN_MEMORY));
     }

@@ -2,8 +2,9 @@
 //! annotations ([`vm_size`]), what a pod may not ask of a VM ([`refuse_host_namespaces`]), its
 //! sysctls, and an app container's spec rewritten for the guest.
 //!
-//! Rewriting an app container's OCI spec from host paths to guest paths, before it goes to the
-//! agent's CreateContainer (as JSON: the spec is never re-modelled).
+//! Rewriting an app container's OCI spec ([`Spec`], typed once by [`crate::oci::read_spec`])
+//! from host paths to guest paths, before it goes to the agent's CreateContainer (serialized as
+//! JSON, which the agent types with the same `oci-spec` crate).
 //!
 //! The pod's shared directory (`<state>/shared` on the host) is the guest's
 //! [`GUEST_SHARED_DIR`], exported under [`SHARED_FS_TAG`]. A container's rootfs is mounted on the
@@ -30,9 +31,12 @@
 //!   mounts).
 
 use std::collections::HashMap;
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
-use serde_json::Value;
+use oci_spec::runtime::{LinuxNamespace, LinuxNamespaceType, Mount, Root};
+
+use crate::oci::Spec;
 
 use crate::config::Config;
 use crate::resources::cgroup::overhead::{self, Amounts};
@@ -74,7 +78,7 @@ pub fn guest_rootfs(cid: &str) -> String {
 /// `/proc/<sandbox_pid>/ns/pid` means the pod shares one PID namespace
 /// (`shareProcessNamespace`), which becomes the guest's pod PID namespace.
 pub fn rewrite_for_guest(
-    spec: &mut Value,
+    spec: &mut Spec,
     cid: &str,
     sandbox_pid: u32,
 ) -> Result<Vec<ShareBind>, SpecError> {
@@ -82,118 +86,114 @@ pub fn rewrite_for_guest(
         return Err(SpecError::Invalid(format!("container id {cid:?}")));
     }
     let privileged = crate::resources::devices::oci::is_privileged(spec);
-    let obj = spec
-        .as_object_mut()
-        .ok_or_else(|| SpecError::Invalid("not a JSON object".into()))?;
-    match obj.get_mut("annotations").and_then(Value::as_object_mut) {
+    match spec.annotations_mut() {
         Some(a) => {
             a.remove(PRIVILEGED_ANNOTATION);
             if privileged {
-                a.insert(PRIVILEGED_ANNOTATION.into(), Value::String("true".into()));
+                a.insert(PRIVILEGED_ANNOTATION.into(), "true".into());
             }
         }
         None if privileged => {
-            obj.insert(
-                "annotations".into(),
-                serde_json::json!({ PRIVILEGED_ANNOTATION: "true" }),
-            );
+            spec.set_annotations(Some(HashMap::from([(
+                PRIVILEGED_ANNOTATION.to_string(),
+                "true".to_string(),
+            )])));
         }
         None => {}
     }
-    let root = obj
-        .entry("root")
-        .or_insert_with(|| Value::Object(Default::default()));
-    let root = root
-        .as_object_mut()
-        .ok_or_else(|| SpecError::Invalid("root is not an object".into()))?;
-    root.insert("path".into(), Value::String(guest_rootfs(cid)));
-    obj.remove("hooks");
+    let readonly = spec.root().as_ref().and_then(Root::readonly);
+    let mut root = Root::default();
+    root.set_path(PathBuf::from(guest_rootfs(cid)));
+    root.set_readonly(readonly);
+    spec.set_root(Some(root));
+    spec.set_hooks(None);
 
     let mut binds = Vec::new();
-    if let Some(mounts) = obj.get_mut("mounts") {
-        let mounts = mounts
-            .as_array_mut()
-            .ok_or_else(|| SpecError::Invalid("mounts is not an array".into()))?;
-        for (n, m) in mounts.iter_mut().enumerate() {
-            let options: Vec<String> = m
-                .get("options")
-                .and_then(Value::as_array)
-                .map(|o| {
-                    o.iter()
-                        .filter_map(|v| v.as_str().map(str::to_string))
-                        .collect()
-                })
-                .unwrap_or_default();
-            // Only the shim names volumes for the agent.
-            if options.iter().any(|o| o.starts_with(VOLUME_KEY_OPTION)) {
-                let kept: Vec<Value> = options
-                    .iter()
-                    .filter(|o| !o.starts_with(VOLUME_KEY_OPTION))
-                    .map(|o| Value::String(o.clone()))
-                    .collect();
-                m["options"] = Value::Array(kept);
-            }
-            let is_bind = m.get("type").and_then(Value::as_str) == Some("bind")
-                || options.iter().any(|o| o == "bind" || o == "rbind");
-            if !is_bind {
-                continue;
-            }
-            let Some(source) = m.get("source").and_then(Value::as_str) else {
-                return Err(SpecError::Invalid(format!("bind mount {n} has no source")));
-            };
-            if !source.starts_with('/') {
-                return Err(SpecError::Invalid(format!(
-                    "bind mount source {source:?} is not absolute"
-                )));
-            }
-            let relative = PathBuf::from(cid).join("mounts").join(n.to_string());
-            let bind = ShareBind {
-                host_source: PathBuf::from(source),
-                relative: relative.clone(),
-                readonly: options.iter().any(|o| o == "ro"),
-                from_host: options
-                    .iter()
-                    .any(|o| matches!(o.as_str(), "rslave" | "slave" | "rshared" | "shared")),
-            };
-            if bind.from_host {
-                let key = volume_key(&bind.host_source, bind.readonly);
-                if let Some(o) = m.get_mut("options").and_then(Value::as_array_mut) {
-                    o.push(Value::String(format!("{VOLUME_KEY_OPTION}{key}")));
-                }
-            }
+    for (n, m) in spec.mounts_mut().iter_mut().flatten().enumerate() {
+        if let Some(bind) = rewrite_mount(m, cid, n)? {
             binds.push(bind);
-            m["source"] = Value::String(format!("{GUEST_SHARED_DIR}/{}", relative.display()));
         }
     }
 
-    if let Some(linux) = obj.get_mut("linux").and_then(Value::as_object_mut) {
-        linux.remove("cgroupsPath");
-        if let Some(nss) = linux.get_mut("namespaces").and_then(Value::as_array_mut) {
-            nss.retain_mut(|ns| {
-                let host_path = ns
-                    .get("path")
-                    .and_then(Value::as_str)
-                    .is_some_and(|p| !p.is_empty() && !p.starts_with("container:"));
-                if !host_path {
-                    return true;
-                }
-                let kind = ns.get("type").and_then(Value::as_str).unwrap_or_default();
-                if matches!(kind, "network" | "ipc" | "uts") {
-                    return false;
-                }
-                let pod_pid_ns = format!("/proc/{sandbox_pid}/ns/pid");
-                if kind == "pid" && ns.get("path").and_then(Value::as_str) == Some(&pod_pid_ns) {
-                    ns["path"] = Value::String(POD_PID_NAMESPACE.into());
-                    return true;
-                }
-                if let Some(o) = ns.as_object_mut() {
-                    o.remove("path");
-                }
-                true
-            });
+    if let Some(linux) = spec.linux_mut() {
+        linux.set_cgroups_path(None);
+        if let Some(nss) = linux.namespaces_mut() {
+            nss.retain_mut(|ns| guest_namespace(ns, sandbox_pid));
         }
     }
     Ok(binds)
+}
+
+/// Mount `n` of container `cid` for the guest: only the shim's volume keys in its options; a
+/// bind's source becomes the guest path of its share, which is returned.
+fn rewrite_mount(m: &mut Mount, cid: &str, n: usize) -> Result<Option<ShareBind>, SpecError> {
+    let options: Vec<String> = m.options().clone().unwrap_or_default();
+    // Only the shim names volumes for the agent.
+    if options.iter().any(|o| o.starts_with(VOLUME_KEY_OPTION)) {
+        let kept = options
+            .iter()
+            .filter(|o| !o.starts_with(VOLUME_KEY_OPTION))
+            .cloned()
+            .collect();
+        m.set_options(Some(kept));
+    }
+    let is_bind =
+        m.typ().as_deref() == Some("bind") || options.iter().any(|o| o == "bind" || o == "rbind");
+    if !is_bind {
+        return Ok(None);
+    }
+    let Some(source) = m.source() else {
+        return Err(SpecError::Invalid(format!("bind mount {n} has no source")));
+    };
+    if !source.is_absolute() {
+        return Err(SpecError::Invalid(format!(
+            "bind mount source {source:?} is not absolute"
+        )));
+    }
+    let relative = PathBuf::from(cid).join("mounts").join(n.to_string());
+    let bind = ShareBind {
+        host_source: source.clone(),
+        relative: relative.clone(),
+        readonly: options.iter().any(|o| o == "ro"),
+        from_host: options
+            .iter()
+            .any(|o| matches!(o.as_str(), "rslave" | "slave" | "rshared" | "shared")),
+    };
+    if bind.from_host {
+        let key = volume_key(&bind.host_source, bind.readonly);
+        if let Some(o) = m.options_mut() {
+            o.push(format!("{VOLUME_KEY_OPTION}{key}"));
+        }
+    }
+    m.set_source(Some(PathBuf::from(format!(
+        "{GUEST_SHARED_DIR}/{}",
+        relative.display()
+    ))));
+    Ok(Some(bind))
+}
+
+/// Namespace `ns` for the guest (module doc); `false`: it leaves the spec.
+fn guest_namespace(ns: &mut LinuxNamespace, sandbox_pid: u32) -> bool {
+    let host_path = ns.path().as_ref().is_some_and(|p| {
+        !p.as_os_str().is_empty() && !p.as_os_str().as_bytes().starts_with(b"container:")
+    });
+    if !host_path {
+        return true;
+    }
+    let kind = ns.typ();
+    if matches!(
+        kind,
+        LinuxNamespaceType::Network | LinuxNamespaceType::Ipc | LinuxNamespaceType::Uts
+    ) {
+        return false;
+    }
+    let pod_pid_ns = PathBuf::from(format!("/proc/{sandbox_pid}/ns/pid"));
+    if kind == LinuxNamespaceType::Pid && ns.path().as_ref() == Some(&pod_pid_ns) {
+        ns.set_path(Some(PathBuf::from(POD_PID_NAMESPACE)));
+        return true;
+    }
+    ns.set_path(None);
+    true
 }
 
 /// Kubernetes' TARGET PID namespace mode (`kubectl debug --target`, ephemeral containers):
@@ -201,23 +201,22 @@ pub fn rewrite_for_guest(
 /// knows is the guest pid the agent reported. `targets` maps the pod's app containers' init pids
 /// to their ids: such a path becomes `container:<id>`, which the agent resolves to the target's
 /// namespace in the guest. Run before [`rewrite_for_guest`], which keeps `container:` paths.
-pub fn resolve_target_pid_namespace(
-    spec: &mut Value,
-    targets: &std::collections::HashMap<u32, String>,
-) {
+pub fn resolve_target_pid_namespace(spec: &mut Spec, targets: &HashMap<u32, String>) {
     let Some(nss) = spec
-        .pointer_mut("/linux/namespaces")
-        .and_then(Value::as_array_mut)
+        .linux_mut()
+        .as_mut()
+        .and_then(|l| l.namespaces_mut().as_mut())
     else {
         return;
     };
     for ns in nss {
-        if ns.get("type").and_then(Value::as_str) != Some("pid") {
+        if ns.typ() != LinuxNamespaceType::Pid {
             continue;
         }
         let target = ns
-            .get("path")
-            .and_then(Value::as_str)
+            .path()
+            .as_ref()
+            .and_then(|p| p.to_str())
             .and_then(|p| {
                 p.strip_prefix("/proc/")?
                     .strip_suffix("/ns/pid")?
@@ -226,30 +225,20 @@ pub fn resolve_target_pid_namespace(
             })
             .and_then(|pid| targets.get(&pid));
         if let Some(id) = target {
-            ns["path"] = Value::String(format!("container:{id}"));
+            ns.set_path(Some(PathBuf::from(format!("container:{id}"))));
         }
     }
 }
 
 /// The pod's sysctls: the sandbox spec's `linux.sysctl` (containerd puts Kubernetes'
-/// `securityContext.sysctls` there only), name -> value.
-pub fn pod_sysctls(
-    sandbox_spec: &Value,
-) -> Result<std::collections::HashMap<String, String>, SpecError> {
-    let Some(map) = sandbox_spec.pointer("/linux/sysctl") else {
-        return Ok(Default::default());
-    };
-    let map = map
-        .as_object()
-        .ok_or_else(|| SpecError::Invalid("linux.sysctl is not an object".into()))?;
-    map.iter()
-        .map(|(k, v)| match v.as_str() {
-            Some(v) => Ok((k.clone(), v.to_string())),
-            None => Err(SpecError::Invalid(format!(
-                "linux.sysctl {k:?}: the value is not a string"
-            ))),
-        })
-        .collect()
+/// `securityContext.sysctls` there only), name -> value. (A value that is not a string is
+/// refused with the whole spec: [`crate::oci::read_spec`].)
+pub fn pod_sysctls(sandbox_spec: &Spec) -> HashMap<String, String> {
+    sandbox_spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.sysctl().clone())
+        .unwrap_or_default()
 }
 
 /// A host namespace a pod's sandbox spec asks to share, which a pod in its own VM cannot.
@@ -262,11 +251,11 @@ pub enum HostNamespace {
 
 impl HostNamespace {
     /// The OCI `linux.namespaces` type.
-    fn oci_type(self) -> &'static str {
+    fn oci_type(self) -> LinuxNamespaceType {
         match self {
-            Self::Network => "network",
-            Self::Ipc => "ipc",
-            Self::Pid => "pid",
+            Self::Network => LinuxNamespaceType::Network,
+            Self::Ipc => LinuxNamespaceType::Ipc,
+            Self::Pid => LinuxNamespaceType::Pid,
         }
     }
 
@@ -294,15 +283,12 @@ impl HostNamespace {
 /// pod's own, and leaves it out for `hostNetwork`, `hostIPC` and `hostPID` (NamespaceMode
 /// NODE): the pause process then runs in the host's. A spec without `linux.namespaces` asks
 /// for all three.
-pub fn host_namespaces(sandbox_spec: &Value) -> Vec<HostNamespace> {
-    let present: Vec<&str> = sandbox_spec
-        .pointer("/linux/namespaces")
-        .and_then(Value::as_array)
-        .map(|nss| {
-            nss.iter()
-                .filter_map(|ns| ns.get("type").and_then(Value::as_str))
-                .collect()
-        })
+pub fn host_namespaces(sandbox_spec: &Spec) -> Vec<HostNamespace> {
+    let present: Vec<LinuxNamespaceType> = sandbox_spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .map(|nss| nss.iter().map(LinuxNamespace::typ).collect())
         .unwrap_or_default();
     [
         HostNamespace::Network,
@@ -315,7 +301,7 @@ pub fn host_namespaces(sandbox_spec: &Value) -> Vec<HostNamespace> {
 }
 
 /// The refusal of a pod that asks for host namespaces, naming them; `None` if it asks for none.
-pub fn refuse_host_namespaces(sandbox_spec: &Value) -> Option<String> {
+pub fn refuse_host_namespaces(sandbox_spec: &Spec) -> Option<String> {
     let host = host_namespaces(sandbox_spec);
     if host.is_empty() {
         return None;
@@ -409,7 +395,9 @@ pub struct VmSize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use crate::oci::parse_spec;
+    use crate::oci::test_json::{json as untyped, spec as typed};
+    use serde_json::{json, Value};
     use std::path::Path;
 
     use testkit::string_map as ann;
@@ -482,45 +470,48 @@ mod tests {
     #[test]
     fn a_target_pid_namespace_becomes_the_target_container_in_the_guest() {
         let targets: std::collections::HashMap<u32, String> = [(7, "c0".to_string())].into();
-        let mut spec = json!({"linux": {"namespaces": [
+        let mut spec = typed(json!({"linux": {"namespaces": [
             {"type": "pid", "path": "/proc/7/ns/pid"}, {"type": "ipc", "path": "/proc/7/ns/ipc"}
-        ]}});
+        ]}}));
         resolve_target_pid_namespace(&mut spec, &targets);
         rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        let spec = untyped(&spec);
         assert_eq!(
             spec["linux"]["namespaces"],
             json!([{"type": "pid", "path": "container:c0"}])
         );
         // An unknown pid is not a target: a new PID namespace, as before.
         let mut spec =
-            json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/8/ns/pid"}]}});
+            typed(json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/8/ns/pid"}]}}));
         resolve_target_pid_namespace(&mut spec, &targets);
         rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        let spec = untyped(&spec);
         assert_eq!(spec["linux"]["namespaces"], json!([{"type": "pid"}]));
     }
 
     #[test]
     fn pod_sysctls_come_from_the_sandbox_spec() {
-        let spec = json!({"linux": {"sysctl": {"kernel.shm_rmid_forced": "1"}}});
-        let got = pod_sysctls(&spec).unwrap();
+        let spec = typed(json!({"linux": {"sysctl": {"kernel.shm_rmid_forced": "1"}}}));
+        let got = pod_sysctls(&spec);
         assert_eq!(got.len(), 1);
         assert_eq!(got["kernel.shm_rmid_forced"], "1");
-        assert!(pod_sysctls(&json!({"linux": {}})).unwrap().is_empty());
-        assert!(pod_sysctls(&json!({"linux": {"sysctl": {"a": 1}}})).is_err());
-        assert!(pod_sysctls(&json!({"linux": {"sysctl": []}})).is_err());
+        assert!(pod_sysctls(&typed(json!({"linux": {}}))).is_empty());
+        // What is not a map of strings is refused with the whole spec (crate::oci::read_spec).
+        assert!(parse_spec(br#"{"linux": {"sysctl": {"a": 1}}}"#).is_err());
+        assert!(parse_spec(br#"{"linux": {"sysctl": []}}"#).is_err());
     }
 
     #[test]
     fn host_namespaces_are_those_the_sandbox_spec_leaves_out() {
-        let own = json!({"linux": {"namespaces": [
+        let own = typed(json!({"linux": {"namespaces": [
             {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
             {"type": "network", "path": "/var/run/netns/cni-1"}
-        ]}});
+        ]}}));
         assert!(host_namespaces(&own).is_empty());
         assert_eq!(refuse_host_namespaces(&own), None);
-        let host_net = json!({"linux": {"namespaces": [
+        let host_net = typed(json!({"linux": {"namespaces": [
             {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}
-        ]}});
+        ]}}));
         assert_eq!(host_namespaces(&host_net), vec![HostNamespace::Network]);
         let msg = refuse_host_namespaces(&host_net).unwrap();
         assert!(
@@ -528,7 +519,7 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("own kernel"), "{msg}");
-        let all = json!({"linux": {"namespaces": [{"type": "uts"}, {"type": "mount"}]}});
+        let all = typed(json!({"linux": {"namespaces": [{"type": "uts"}, {"type": "mount"}]}}));
         assert_eq!(
             host_namespaces(&all),
             vec![
@@ -542,13 +533,13 @@ mod tests {
             msg.contains("network, IPC and PID namespaces (hostNetwork, hostIPC and hostPID)"),
             "{msg}"
         );
-        assert_eq!(host_namespaces(&json!({})).len(), 3);
+        assert_eq!(host_namespaces(&typed(json!({}))).len(), 3);
     }
 
     fn cri_app_spec() -> Value {
         json!({
             "ociVersion": "1.0.2-dev",
-            "process": {"args": ["sh"], "cwd": "/"},
+            "process": {"user": {"uid": 0, "gid": 0}, "args": ["sh"], "cwd": "/"},
             "root": {"path": "rootfs", "readonly": false},
             "hooks": {"createRuntime": [{"path": "/usr/bin/nvidia-hook"}]},
             "mounts": [
@@ -578,23 +569,26 @@ mod tests {
     #[test]
     fn the_sandboxs_pid_namespace_becomes_the_pods_in_the_guest() {
         let mut spec =
-            json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/42/ns/pid"}]}});
+            typed(json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/42/ns/pid"}]}}));
         rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        let spec = untyped(&spec);
         assert_eq!(
             spec["linux"]["namespaces"],
             json!([{"type": "pid", "path": POD_PID_NAMESPACE}])
         );
         // another process's namespace (a target container's pid on the host) is not the pod's
         let mut spec =
-            json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/7/ns/pid"}]}});
+            typed(json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/7/ns/pid"}]}}));
         rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        let spec = untyped(&spec);
         assert_eq!(spec["linux"]["namespaces"], json!([{"type": "pid"}]));
     }
 
     #[test]
     fn rewrites_root_mounts_namespaces_and_drops_host_bits() {
-        let mut spec = cri_app_spec();
+        let mut spec = typed(cri_app_spec());
         let binds = rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        let spec = untyped(&spec);
         assert_eq!(spec["root"]["path"], "/run/microvm-shared/c1/rootfs");
         assert_eq!(spec["root"]["readonly"], false);
         assert!(spec.get("hooks").is_none());
@@ -641,30 +635,106 @@ mod tests {
         assert_eq!(spec["annotations"]["io.kubernetes.cri.sandbox-id"], "s1");
     }
 
+    /// What the agent gets: containerd's spec of an app container (1.7's, the seccomp profile
+    /// shortened) rewritten on the host, serialized, typed again by `oci-spec` as the agent
+    /// types it: the rewritten root, mounts and namespaces, and all else as containerd wrote it.
+    #[test]
+    fn the_agent_types_the_rewritten_spec_with_all_containerd_wrote() {
+        let text = include_bytes!("testdata/containerd-app-spec.json");
+        let original: Value = serde_json::from_slice(text).unwrap();
+        let mut spec = parse_spec(text).unwrap();
+        let binds = rewrite_for_guest(&mut spec, "c1", 42).unwrap();
+        let wire = serde_json::to_vec(&spec).unwrap();
+        let agent: Spec = serde_json::from_slice(&wire).unwrap();
+        assert_eq!(agent, spec);
+        let got = untyped(&agent);
+        // Rewritten.
+        assert_eq!(
+            got["root"],
+            json!({"path": "/run/microvm-shared/c1/rootfs"})
+        );
+        assert!(got.get("hooks").is_none());
+        assert!(got["linux"].get("cgroupsPath").is_none());
+        assert_eq!(
+            got["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "mount"}, {"type": "cgroup"}])
+        );
+        let mounts = got["mounts"].as_array().unwrap();
+        let before = original["mounts"].as_array().unwrap();
+        assert_eq!(mounts.len(), before.len());
+        assert_eq!(binds.len(), 7);
+        for (n, (m, b)) in mounts.iter().zip(before).enumerate() {
+            assert_eq!(m["destination"], b["destination"]);
+            if b["type"] != "bind" {
+                assert_eq!(m, b);
+                continue;
+            }
+            assert_eq!(
+                m["source"].as_str().unwrap(),
+                format!("/run/microvm-shared/c1/mounts/{n}")
+            );
+            let mut options = b["options"].as_array().unwrap().clone();
+            if options.contains(&json!("rshared")) {
+                let key = volume_key(Path::new(b["source"].as_str().unwrap()), false);
+                options.push(json!(format!("{VOLUME_KEY_OPTION}{key}")));
+            }
+            assert_eq!(m["options"], Value::Array(options), "{m}");
+        }
+        // As containerd wrote it (capabilities are sets: their order is not kept).
+        let sorted_caps = |mut v: Value| {
+            for set in v["capabilities"].as_object_mut().unwrap().values_mut() {
+                set.as_array_mut().unwrap().sort_by_key(|c| c.to_string());
+            }
+            v
+        };
+        assert_eq!(
+            sorted_caps(got["process"].clone()),
+            sorted_caps(original["process"].clone())
+        );
+        for pointer in [
+            "/ociVersion",
+            "/hostname",
+            "/annotations",
+            "/linux/resources",
+            "/linux/devices",
+            "/linux/sysctl",
+            "/linux/seccomp",
+            "/linux/maskedPaths",
+            "/linux/readonlyPaths",
+            "/linux/mountLabel",
+        ] {
+            assert_eq!(got.pointer(pointer), original.pointer(pointer), "{pointer}");
+        }
+    }
+
     #[test]
     fn only_a_privileged_spec_carries_the_privileged_annotation() {
         let mut forged = cri_app_spec();
         forged["annotations"][PRIVILEGED_ANNOTATION] = json!("true");
+        let mut forged = typed(forged);
         rewrite_for_guest(&mut forged, "c1", 42).unwrap();
+        let forged = untyped(&forged);
         assert!(forged["annotations"].get(PRIVILEGED_ANNOTATION).is_none());
-        let mut privileged = json!({
-            "process": {"capabilities": {"bounding": ["CAP_SYS_ADMIN"]}},
-            "linux": {"resources": {"devices": [{"allow": true, "access": "rwm"}]}}});
+        let mut privileged = typed(json!({
+            "process": {"user": {"uid": 0, "gid": 0}, "cwd": "/",
+                        "capabilities": {"bounding": ["CAP_SYS_ADMIN"]}},
+            "linux": {"resources": {"devices": [{"allow": true, "access": "rwm"}]}}}));
         rewrite_for_guest(&mut privileged, "c1", 42).unwrap();
+        let privileged = untyped(&privileged);
         assert_eq!(privileged["annotations"][PRIVILEGED_ANNOTATION], "true");
     }
 
     #[test]
     fn propagating_binds_carry_their_volumes_key_and_only_the_shims() {
         let spec = |options: Value| {
-            json!({"mounts": [
+            typed(json!({"mounts": [
                 {"destination": "/vol", "type": "bind", "source": "/srv/vol", "options": options},
                 {"destination": "/plain", "type": "bind", "source": "/srv/vol",
                  "options": ["rbind", "rprivate", "x-microvm-volume=forged"]}
-            ]})
+            ]}))
         };
-        let key = |s: &Value| -> Vec<String> {
-            s["mounts"]
+        let key = |s: &Spec| -> Vec<String> {
+            untyped(s)["mounts"]
                 .as_array()
                 .unwrap()
                 .iter()
@@ -694,25 +764,33 @@ mod tests {
         assert_eq!(a[0], volume_key(Path::new("/srv/vol"), false));
         assert_ne!(a[0], volume_key(Path::new("/srv/vol2"), false));
         assert!(binds[0].from_host && !binds[1].from_host);
-        assert_eq!(bidi["mounts"][1]["options"], json!(["rbind", "rprivate"]));
+        assert_eq!(
+            untyped(&bidi)["mounts"][1]["options"],
+            json!(["rbind", "rprivate"])
+        );
     }
 
     #[test]
     fn rejects_bad_specs_and_ids() {
         for id in ["", "..", "a/b"] {
-            assert!(rewrite_for_guest(&mut cri_app_spec(), id, 42).is_err());
+            assert!(rewrite_for_guest(&mut typed(cri_app_spec()), id, 42).is_err());
         }
-        assert!(rewrite_for_guest(&mut json!([]), "c", 42).is_err());
-        assert!(rewrite_for_guest(&mut json!({"root": 3}), "c", 42).is_err());
-        assert!(rewrite_for_guest(&mut json!({"mounts": {}}), "c", 42).is_err());
-        let mut rel = json!({"mounts": [{"destination": "/x", "type": "bind", "source": "x"}]});
+        // Not the shapes of a spec: refused with the whole spec (crate::oci::read_spec).
+        assert!(parse_spec(b"[]").is_err());
+        assert!(parse_spec(br#"{"root": 3}"#).is_err());
+        assert!(parse_spec(br#"{"mounts": {}}"#).is_err());
+        let mut rel =
+            typed(json!({"mounts": [{"destination": "/x", "type": "bind", "source": "x"}]}));
         assert!(rewrite_for_guest(&mut rel, "c", 42).is_err());
-        let mut nosrc = json!({"mounts": [{"destination": "/x", "type": "bind"}]});
+        let mut nosrc = typed(json!({"mounts": [{"destination": "/x", "type": "bind"}]}));
         assert!(rewrite_for_guest(&mut nosrc, "c", 42).is_err());
         // A minimal spec gets a root.
-        let mut min = json!({});
+        let mut min = typed(json!({}));
         assert!(rewrite_for_guest(&mut min, "c", 42).unwrap().is_empty());
-        assert_eq!(min["root"]["path"], "/run/microvm-shared/c/rootfs");
+        assert_eq!(
+            untyped(&min)["root"]["path"],
+            "/run/microvm-shared/c/rootfs"
+        );
     }
 }
 
@@ -720,8 +798,9 @@ mod tests {
 #[cfg(test)]
 mod properties {
     use super::*;
+    use crate::oci::test_json::{json as untyped, spec as typed};
     use proptest::prelude::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     /// A mount: type bind or not, a host source, options (some forged volume keys, some
     /// propagation, `ro`).
@@ -815,9 +894,10 @@ mod properties {
         /// the privileged annotation is there exactly for a privileged spec.
         #[test]
         fn the_guest_spec_names_only_guest_paths(original in spec(), sandbox_pid in prop::sample::select(vec![7u32, 8])) {
-            let mut s = original.clone();
+            let mut s = typed(original.clone());
             let binds = rewrite_for_guest(&mut s, "c1", sandbox_pid)
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let s = untyped(&s);
             let root = guest_rootfs("c1");
             prop_assert_eq!(s["root"]["path"].as_str(), Some(root.as_str()));
             prop_assert!(s.get("hooks").is_none());
@@ -864,7 +944,7 @@ mod properties {
                     prop_assert!(!matches!(ns["type"].as_str(), Some("network" | "ipc" | "uts")));
                 }
             }
-            let privileged = crate::resources::devices::oci::is_privileged(&original);
+            let privileged = crate::resources::devices::oci::is_privileged(&typed(original.clone()));
             prop_assert_eq!(
                 s["annotations"].get(PRIVILEGED_ANNOTATION).is_some(),
                 privileged

@@ -10,6 +10,7 @@ use containerd_shim_protos::api;
 use crate::agent::stdio::{Attached, Fifos};
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::oci::Spec;
 use crate::resources::storage::RootfsMount;
 use crate::sandbox::{spec, BootRequest, NewContainer, Sandbox, SandboxError};
 use crate::task::container::{Container, Kind};
@@ -41,7 +42,7 @@ impl TaskService {
     pub(super) async fn boot(
         &self,
         req: &api::CreateTaskRequest,
-        spec: &serde_json::Value,
+        spec: &Spec,
         annotations: &HashMap<String, String>,
         sysctls: HashMap<String, String>,
     ) -> Result<Arc<Sandbox>> {
@@ -76,7 +77,7 @@ impl TaskService {
     pub(super) async fn create_sandbox(
         &self,
         req: &api::CreateTaskRequest,
-        spec: &serde_json::Value,
+        spec: &Spec,
         annotations: &HashMap<String, String>,
     ) -> Result<u32> {
         // Before anything is made: a pod that needs the host's namespaces is refused.
@@ -87,7 +88,7 @@ impl TaskService {
                 req.id
             )));
         }
-        let sysctls = spec::pod_sysctls(spec).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let sysctls = spec::pod_sysctls(spec);
         let sandbox = self.boot(req, spec, annotations, sysctls).await?;
         let pid = std::process::id();
         let init = Process::new(pid, Fifos::default(), Attached::default());
@@ -121,7 +122,7 @@ impl TaskService {
     pub(super) async fn create_standalone(
         &self,
         req: &api::CreateTaskRequest,
-        spec: serde_json::Value,
+        spec: Spec,
         annotations: &HashMap<String, String>,
     ) -> Result<u32> {
         let sandbox = self.boot(req, &spec, annotations, HashMap::new()).await?;
@@ -147,7 +148,7 @@ impl TaskService {
     pub(super) async fn create_app(
         &self,
         req: &api::CreateTaskRequest,
-        spec: serde_json::Value,
+        spec: Spec,
         sandbox_id: &str,
     ) -> Result<u32> {
         let (sandbox, pids) = {

@@ -8,6 +8,7 @@
 use containerd_shim_protos::api;
 use containerd_shim_protos::events::task::{TaskExecAdded, TaskExecStarted};
 use containerd_shim_protos::topics;
+use oci_spec::runtime::Process as OciProcess;
 
 use crate::agent::stdio::{self, Fifos};
 use crate::agent::AgentError;
@@ -20,28 +21,38 @@ use crate::task::service::{set_status, TaskService};
 /// Largest OCI process JSON accepted from containerd.
 const MAX_PROCESS_JSON: usize = 1 << 20;
 
-/// The OCI process JSON containerd sends in the Exec's `spec` Any (typeurl marshals the Go
-/// `specs.Process` as JSON), checked to be a JSON object of bounded size.
+/// Why an Exec's process spec cannot go to the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessSpecError {
+    #[error("the exec request has no process spec")]
+    Missing,
+    #[error("the exec's process spec is {0} bytes (max {MAX_PROCESS_JSON})")]
+    TooLarge(usize),
+    #[error("the exec's process spec ({type_url}) is not JSON of an OCI process: {source}")]
+    Parse {
+        type_url: String,
+        source: serde_json::Error,
+    },
+    #[error("the exec's process spec as JSON for the agent: {0}")]
+    Serialize(serde_json::Error),
+}
+
+/// The OCI process containerd sends in the Exec's `spec` Any (typeurl marshals the Go
+/// `specs.Process` as JSON), of bounded size, typed ([`OciProcess`], as the agent types it) and
+/// serialized again for the agent.
 pub fn process_json(
     spec: Option<&containerd_shim_protos::protobuf::well_known_types::any::Any>,
-) -> std::result::Result<Vec<u8>, String> {
-    let any = spec.ok_or("the exec request has no process spec")?;
+) -> std::result::Result<Vec<u8>, ProcessSpecError> {
+    let any = spec.ok_or(ProcessSpecError::Missing)?;
     if any.value.len() > MAX_PROCESS_JSON {
-        return Err(format!(
-            "the exec's process spec is {} bytes (max {MAX_PROCESS_JSON})",
-            any.value.len()
-        ));
+        return Err(ProcessSpecError::TooLarge(any.value.len()));
     }
-    let value: serde_json::Value = serde_json::from_slice(&any.value).map_err(|e| {
-        format!(
-            "the exec's process spec ({}) is not JSON: {e}",
-            any.type_url
-        )
-    })?;
-    if !value.is_object() {
-        return Err("the exec's process spec is not a JSON object".into());
-    }
-    Ok(any.value.clone())
+    let process: OciProcess =
+        serde_json::from_slice(&any.value).map_err(|source| ProcessSpecError::Parse {
+            type_url: any.type_url.clone(),
+            source,
+        })?;
+    serde_json::to_vec(&process).map_err(ProcessSpecError::Serialize)
 }
 
 impl TaskService {
@@ -304,14 +315,14 @@ mod tests {
             value: v.to_vec(),
             ..Default::default()
         };
-        let good = br#"{"args":["sh"],"cwd":"/"}"#;
+        // As containerd writes it (Go's specs.Process; user and cwd are always there).
+        let good = br#"{"user":{"uid":0,"gid":0},"args":["sh"],"cwd":"/"}"#;
         assert_eq!(process_json(Some(&any(good))).unwrap(), good.to_vec());
-        assert!(process_json(None).unwrap_err().contains("no process spec"));
+        let err = |e: ProcessSpecError| e.to_string();
+        assert!(err(process_json(None).unwrap_err()).contains("no process spec"));
         assert!(process_json(Some(&any(b"[1]"))).is_err());
-        assert!(process_json(Some(&any(b"{nope")))
-            .unwrap_err()
-            .contains("not JSON"));
+        assert!(err(process_json(Some(&any(b"{nope"))).unwrap_err()).contains("not JSON"));
         let huge = vec![b' '; MAX_PROCESS_JSON + 1];
-        assert!(process_json(Some(&any(&huge))).unwrap_err().contains("max"));
+        assert!(err(process_json(Some(&any(&huge))).unwrap_err()).contains("max"));
     }
 }

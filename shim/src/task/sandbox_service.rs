@@ -92,7 +92,6 @@ impl SandboxService {
             log::warn!("sandbox {id}: refused: {refusal}");
             return Err(Error::InvalidArgument(format!("sandbox {id}: {refusal}")));
         }
-        spec::pod_sysctls(&pod.spec).map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let config = self.task.load_config(None)?;
         let mut inner = self.task.inner.lock().await;
         if let Some(other) = inner.api_pod.as_ref() {
@@ -138,8 +137,7 @@ impl SandboxService {
             })?;
             (p.pod.clone(), config, p.process.handle())
         };
-        let sysctls =
-            spec::pod_sysctls(&pod.spec).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let sysctls = spec::pod_sysctls(&pod.spec);
         let vm = self
             .task
             .boot_pod(BootRequest {

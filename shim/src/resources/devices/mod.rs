@@ -28,9 +28,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::config::DevicesSettings;
+use crate::oci::Spec;
 use oci::{Access, DeviceClass, NodeKind, SpecDevice};
 use podresources::HeldDevice;
 
@@ -398,7 +398,7 @@ impl DeviceTable {
 
     /// Places container `cid`'s devices (module doc). Slots it takes are reserved for it now:
     /// on any later failure [`DeviceTable::release`] gives them back.
-    pub fn prepare(&self, cid: &str, spec: &Value) -> Result<Prepared, DevicesError> {
+    pub fn prepare(&self, cid: &str, spec: &Spec) -> Result<Prepared, DevicesError> {
         let devices = oci::spec_devices(spec)?;
         if oci::is_privileged(spec) {
             return self.prepare_privileged(cid, devices);
@@ -615,7 +615,8 @@ fn release_in(t: &mut Table, cid: &str) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use crate::oci::test_json::{json as untyped, spec as typed};
+    use serde_json::{json, Value};
 
     fn table(dir: &Path, rw: usize, ro: usize, hotplug: Hotplug, sysfs: &Path) -> DeviceTable {
         let cold = ColdPlug::default();
@@ -627,11 +628,11 @@ mod tests {
     }
 
     /// A spec with one block device and its allow rule.
-    fn spec(path: &str, major: u32, minor: u32, access: &str) -> Value {
-        json!({"linux": {
+    fn spec(path: &str, major: u32, minor: u32, access: &str) -> Spec {
+        typed(json!({"linux": {
             "devices": [{"path": path, "type": "b", "major": major, "minor": minor}],
             "resources": {"devices": [{"allow": true, "type": "b", "major": major,
-                                       "minor": minor, "access": access}]}}})
+                                       "minor": minor, "access": access}]}}}))
     }
 
     /// The first block device of this host that opens read-only (as root, as CI runs these
@@ -681,8 +682,8 @@ mod tests {
     fn refusals_name_the_device_and_leave_nothing_held() {
         let dir = tempfile::tempdir().unwrap();
         let t = table(dir.path(), 1, 0, Hotplug::Supported, Path::new("/sys"));
-        let s = json!({"linux": {"devices": [
-            {"path": "/dev/net/tun", "type": "c", "major": 10, "minor": 200}]}});
+        let s = typed(json!({"linux": {"devices": [
+            {"path": "/dev/net/tun", "type": "c", "major": 10, "minor": 200}]}}));
         let e = t.prepare("c1", &s).unwrap_err();
         assert!(e.is_refusal());
         assert!(e.to_string().contains("/dev/net/tun (c 10:200)"), "{e}");
@@ -764,7 +765,8 @@ mod tests {
         ];
         devices.extend_from_slice(extra);
         json!({
-            "process": {"capabilities": {"bounding": ["CAP_SYS_ADMIN", "CAP_MKNOD"]}},
+            "process": {"user": {"uid": 0, "gid": 0}, "cwd": "/",
+                        "capabilities": {"bounding": ["CAP_SYS_ADMIN", "CAP_MKNOD"]}},
             "linux": {"devices": devices,
                       "resources": {"devices": [{"allow": true, "access": "rwm"}]}}})
     }
@@ -799,7 +801,7 @@ mod tests {
     fn a_privileged_container_keeps_the_pods_disks_and_the_guests_devices_only() {
         let dir = tempfile::tempdir().unwrap();
         let t = with_cold_disk(dir.path(), false, 1);
-        let mut spec = privileged(&[]);
+        let mut spec = typed(privileged(&[]));
         let p = t.prepare("c1", &spec).unwrap();
         // The pod's disk at CRI's path and at the host's path (runc's privileged container has
         // both too), nothing attached.
@@ -820,6 +822,7 @@ mod tests {
         );
         assert!(p.attach.is_empty());
         oci::remove_devices(&mut spec, &p.removed);
+        let spec = untyped(&spec);
         let left: Vec<&str> = spec["linux"]["devices"]
             .as_array()
             .unwrap()
@@ -844,7 +847,7 @@ mod tests {
         let held = t.prepare("c0", &spec("/dev/hot", ma, mi, "rwm")).unwrap();
         assert_eq!(held.attach.len(), 1);
         let hot = json!({"path": "/dev/hot", "type": "b", "major": ma, "minor": mi});
-        let p = t.prepare("c1", &privileged(&[hot])).unwrap();
+        let p = t.prepare("c1", &typed(privileged(&[hot]))).unwrap();
         assert!(
             p.attach.is_empty(),
             "no new slot for a privileged container"
@@ -866,7 +869,7 @@ mod tests {
         // Every device allowed, but without the capabilities of a privileged container.
         let mut spec = privileged(&[]);
         spec["process"]["capabilities"]["bounding"] = json!(["CAP_CHOWN"]);
-        let e = t.prepare("c1", &spec).unwrap_err().to_string();
+        let e = t.prepare("c1", &typed(spec)).unwrap_err().to_string();
         assert!(e.contains("/dev/autofs (c 10:235) cannot be given"), "{e}");
     }
 
@@ -874,9 +877,9 @@ mod tests {
     fn vfio_nodes_leave_the_spec_only_with_vfio_devices() {
         let dir = tempfile::tempdir().unwrap();
         let cold = ColdPlug::default();
-        let s = json!({"linux": {"devices": [
+        let s = typed(json!({"linux": {"devices": [
             {"path": "/dev/vfio/vfio", "type": "c", "major": 10, "minor": 196},
-            {"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229}]}});
+            {"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229}]}}));
         let t = DeviceTable::new(
             dir.path().join(RECORD_FILE),
             Hotplug::Supported,

@@ -4,9 +4,10 @@
 //! edits that follow (VFIO nodes, and a privileged container's host devices, leave the
 //! container's spec).
 
-use serde_json::Value;
+use oci_spec::runtime::{Capability, LinuxDeviceCgroup, LinuxDeviceType};
 
 use super::DevicesError;
+use crate::oci::Spec;
 
 /// Block or character device (`type` `b`, or `c`/`u`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,43 +89,41 @@ const GUEST_OWN: &[(u32, u32, &str)] = &[
 const VFIO_DIR: &str = "/dev/vfio/";
 
 /// The devices of `spec`, with their access.
-pub fn spec_devices(spec: &Value) -> Result<Vec<SpecDevice>, DevicesError> {
-    let linux = &spec["linux"];
-    let Some(list) = linux.get("devices") else {
+pub fn spec_devices(spec: &Spec) -> Result<Vec<SpecDevice>, DevicesError> {
+    let Some(linux) = spec.linux() else {
         return Ok(Vec::new());
     };
-    let list = list
-        .as_array()
-        .ok_or_else(|| DevicesError::Spec("linux.devices is not an array".into()))?;
-    let rules = linux["resources"]["devices"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
+    let Some(list) = linux.devices() else {
+        return Ok(Vec::new());
+    };
+    let rules = device_rules(spec);
     list.iter()
         .enumerate()
         .map(|(index, d)| {
-            let path = d["path"]
-                .as_str()
+            let path = d
+                .path()
+                .to_str()
                 .filter(|p| p.starts_with('/'))
-                .ok_or_else(|| DevicesError::Spec(format!("device without an absolute path: {d}")))?
+                .ok_or_else(|| {
+                    DevicesError::Spec(format!("device without an absolute path: {:?}", d.path()))
+                })?
                 .to_string();
-            let kind = match d["type"].as_str() {
-                Some("b") => NodeKind::Block,
-                Some("c" | "u") => NodeKind::Char,
+            let kind = match d.typ() {
+                LinuxDeviceType::B => NodeKind::Block,
+                LinuxDeviceType::C | LinuxDeviceType::U => NodeKind::Char,
                 other => {
                     return Err(DevicesError::Spec(format!(
-                        "device {path}: type {other:?} is not b, c or u"
+                        "device {path}: type {:?} is not b, c or u",
+                        type_letter(other)
                     )))
                 }
             };
-            let number = |field: &str| {
-                d[field]
-                    .as_u64()
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| DevicesError::Spec(format!("device {path}: no {field} number")))
+            let number = |field: &str, n: i64| {
+                u32::try_from(n)
+                    .map_err(|_| DevicesError::Spec(format!("device {path}: no {field} number")))
             };
-            let (major, minor) = (number("major")?, number("minor")?);
-            let access = access(&rules, kind, major, minor);
+            let (major, minor) = (number("major", d.major())?, number("minor", d.minor())?);
+            let access = access(rules, kind, major, minor);
             Ok(SpecDevice {
                 index,
                 path,
@@ -137,23 +136,48 @@ pub fn spec_devices(spec: &Value) -> Result<Vec<SpecDevice>, DevicesError> {
         .collect()
 }
 
+/// The `linux.resources.devices` rules of `spec` (none: empty).
+fn device_rules(spec: &Spec) -> &[LinuxDeviceCgroup] {
+    spec.linux()
+        .as_ref()
+        .and_then(|l| l.resources().as_ref())
+        .and_then(|r| r.devices().as_deref())
+        .unwrap_or_default()
+}
+
+/// The letter of a device type in the spec (`LinuxDeviceType::as_str`, for as long as the
+/// spec is needed).
+fn type_letter(t: LinuxDeviceType) -> &'static str {
+    match t {
+        LinuxDeviceType::A => "a",
+        LinuxDeviceType::B => "b",
+        LinuxDeviceType::C => "c",
+        LinuxDeviceType::U => "u",
+        LinuxDeviceType::P => "p",
+    }
+}
+
+/// Whether a rule's `major` or `minor` matches `n`: absent or -1 matches every number.
+fn number_matches(rule: Option<i64>, n: u32) -> bool {
+    match rule {
+        None | Some(-1) => true,
+        Some(v) => v == i64::from(n),
+    }
+}
+
 /// The access the allow/deny rules give a device, cgroup style: rules in order, an allow adds
 /// its letters, a deny takes them away; a rule without `access` means `rwm`.
-fn access(rules: &[Value], kind: NodeKind, major: u32, minor: u32) -> Access {
+fn access(rules: &[LinuxDeviceCgroup], kind: NodeKind, major: u32, minor: u32) -> Access {
     let mut write = false;
     for r in rules {
-        let typ = r["type"].as_str().unwrap_or("a");
+        let typ = r.typ().map_or("a", type_letter);
         let type_ok = typ == "a" || typ == kind.letter() || (typ == "u" && kind == NodeKind::Char);
-        let num_ok = |field: &str, n: u32| match r.get(field) {
-            None | Some(Value::Null) => true,
-            Some(v) => v.as_i64() == Some(-1) || v.as_u64() == Some(u64::from(n)),
-        };
-        if !(type_ok && num_ok("major", major) && num_ok("minor", minor)) {
+        if !(type_ok && number_matches(r.major(), major) && number_matches(r.minor(), minor)) {
             continue;
         }
-        let letters = r["access"].as_str().unwrap_or("rwm");
+        let letters = r.access().as_deref().unwrap_or("rwm");
         if letters.contains('w') {
-            write = r["allow"].as_bool().unwrap_or(false);
+            write = r.allow();
         }
     }
     if write {
@@ -195,7 +219,7 @@ pub fn classify(d: &SpecDevice, pod_has_vfio: bool) -> Result<DeviceClass, Devic
 }
 
 /// The capability containerd's privileged spec has (all of them) and its default one has not.
-const SYS_ADMIN: &str = "CAP_SYS_ADMIN";
+const SYS_ADMIN: Capability = Capability::SysAdmin;
 
 /// Whether `spec` is a privileged container as containerd writes one. For
 /// `securityContext.privileged` its CRI (1.6, 1.7 and 2.x alike) applies `oci.WithPrivileged`
@@ -209,32 +233,26 @@ const SYS_ADMIN: &str = "CAP_SYS_ADMIN";
 /// `CAP_SYS_ADMIN`. A privileged container without the allow-all rule
 /// (`privileged_without_host_devices` alone) has only the devices CRI asked for, which are
 /// handled as any container's.
-pub fn is_privileged(spec: &Value) -> bool {
-    let rules = spec
-        .pointer("/linux/resources/devices")
-        .and_then(Value::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or_default();
+pub fn is_privileged(spec: &Spec) -> bool {
     let mut all_allowed = false;
-    for r in rules {
-        let any = |field: &str| match r.get(field) {
-            None | Some(Value::Null) => true,
-            Some(v) => v.as_i64() == Some(-1),
-        };
-        let every_device =
-            matches!(r["type"].as_str(), None | Some("a")) && any("major") && any("minor");
-        if !r["allow"].as_bool().unwrap_or(false) {
+    for r in device_rules(spec) {
+        let every_device = matches!(r.typ(), None | Some(LinuxDeviceType::A))
+            && matches!(r.major(), None | Some(-1))
+            && matches!(r.minor(), None | Some(-1));
+        if !r.allow() {
             // Any deny after the allow-all rule takes "every device" back.
             all_allowed = false;
         } else if every_device {
-            let access = r["access"].as_str().unwrap_or("rwm");
+            let access = r.access().as_deref().unwrap_or("rwm");
             all_allowed = ['r', 'w', 'm'].iter().all(|c| access.contains(*c));
         }
     }
     let sys_admin = spec
-        .pointer("/process/capabilities/bounding")
-        .and_then(Value::as_array)
-        .is_some_and(|caps| caps.iter().any(|c| c.as_str() == Some(SYS_ADMIN)));
+        .process()
+        .as_ref()
+        .and_then(|p| p.capabilities().as_ref())
+        .and_then(|c| c.bounding().as_ref())
+        .is_some_and(|caps| caps.contains(&SYS_ADMIN));
     all_allowed && sys_admin
 }
 
@@ -256,48 +274,52 @@ pub fn is_vfio(d: &SpecDevice) -> bool {
 
 /// Removes the `removed` entries (by their position and path) from `spec`, and the allow rules
 /// that name their numbers unless an entry that stays has the same numbers.
-pub fn remove_devices(spec: &mut Value, removed: &[SpecDevice]) {
+pub fn remove_devices(spec: &mut Spec, removed: &[SpecDevice]) {
     if removed.is_empty() {
         return;
     }
-    let Some(linux) = spec.get_mut("linux").and_then(Value::as_object_mut) else {
+    let Some(linux) = spec.linux_mut() else {
         return;
     };
-    let numbers = |d: &Value| {
+    // A node's numbers as the rules name them (`u` is `c`).
+    let numbers = |typ: Option<LinuxDeviceType>, major: Option<i64>, minor: Option<i64>| {
         (
-            d["type"]
-                .as_str()
-                .map(|t| if t == "u" { "c" } else { t })
-                .map(str::to_string),
-            d["major"].as_u64(),
-            d["minor"].as_u64(),
+            typ.map(|t| {
+                if t == LinuxDeviceType::U {
+                    "c"
+                } else {
+                    type_letter(t)
+                }
+            }),
+            major.and_then(|n| u64::try_from(n).ok()),
+            minor.and_then(|n| u64::try_from(n).ok()),
         )
     };
     let mut kept = Vec::new();
-    if let Some(list) = linux.get_mut("devices").and_then(Value::as_array_mut) {
+    if let Some(list) = linux.devices_mut() {
         let old = std::mem::take(list);
         for (i, d) in old.into_iter().enumerate() {
             let gone = removed
                 .iter()
-                .any(|r| r.index == i && d["path"].as_str() == Some(&r.path));
+                .any(|r| r.index == i && d.path().to_str() == Some(&r.path));
             if !gone {
-                kept.push(numbers(&d));
+                kept.push(numbers(Some(d.typ()), Some(d.major()), Some(d.minor())));
                 list.push(d);
             }
         }
     }
     if let Some(rules) = linux
-        .get_mut("resources")
-        .and_then(|r| r.get_mut("devices"))
-        .and_then(Value::as_array_mut)
+        .resources_mut()
+        .as_mut()
+        .and_then(|r| r.devices_mut().as_mut())
     {
         rules.retain(|rule| {
             let named = removed.iter().any(|r| {
-                rule["major"].as_u64() == Some(u64::from(r.major))
-                    && rule["minor"].as_u64() == Some(u64::from(r.minor))
-                    && rule["type"].as_str() == Some(r.kind.letter())
+                rule.major() == Some(i64::from(r.major))
+                    && rule.minor() == Some(i64::from(r.minor))
+                    && rule.typ().map(type_letter) == Some(r.kind.letter())
             });
-            !named || kept.contains(&numbers(rule))
+            !named || kept.contains(&numbers(rule.typ(), rule.major(), rule.minor()))
         });
     }
 }
@@ -305,10 +327,11 @@ pub fn remove_devices(spec: &mut Value, removed: &[SpecDevice]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use crate::oci::test_json::{json as untyped, spec as typed};
+    use serde_json::{json, Value};
 
-    fn spec() -> Value {
-        json!({"linux": {
+    fn spec() -> Spec {
+        typed(json!({"linux": {
             "devices": [
                 {"path": "/dev/xvda", "type": "b", "major": 7, "minor": 0, "fileMode": 432},
                 {"path": "/dev/ro", "type": "b", "major": 7, "minor": 1},
@@ -322,7 +345,7 @@ mod tests {
                 {"allow": true, "type": "b", "major": 7, "minor": 1, "access": "r"},
                 {"allow": true, "type": "c", "major": 10, "minor": 229, "access": "rwm"}
             ]}
-        }})
+        }}))
     }
 
     #[test]
@@ -339,23 +362,24 @@ mod tests {
         // Denied by the first rule and never allowed again.
         assert_eq!(ds[3].access, Access::ReadOnly);
         assert_eq!(ds[0].to_string(), "/dev/xvda (b 7:0)");
-        assert!(spec_devices(&json!({})).unwrap().is_empty());
+        assert!(spec_devices(&typed(json!({}))).unwrap().is_empty());
         // A later deny takes the write back.
         let s = json!({"linux": {"devices": [{"path": "/dev/a", "type": "b", "major": 1, "minor": 2}],
             "resources": {"devices": [{"allow": true, "access": "rwm"},
                 {"allow": false, "type": "b", "major": 1, "access": "w"}]}}});
-        assert_eq!(spec_devices(&s).unwrap()[0].access, Access::ReadOnly);
+        assert_eq!(spec_devices(&typed(s)).unwrap()[0].access, Access::ReadOnly);
     }
 
     #[test]
     fn refuses_malformed_entries() {
+        // Not a list: refused with the whole spec (crate::oci::read_spec).
+        assert!(crate::oci::parse_spec(br#"{"linux": {"devices": {}}}"#).is_err());
         for bad in [
-            json!({"linux": {"devices": {}}}),
             json!({"linux": {"devices": [{"path": "dev/x", "type": "b", "major": 1, "minor": 1}]}}),
             json!({"linux": {"devices": [{"path": "/dev/x", "type": "p", "major": 1, "minor": 1}]}}),
             json!({"linux": {"devices": [{"path": "/dev/x", "type": "b", "major": -1, "minor": 1}]}}),
         ] {
-            assert!(spec_devices(&bad).is_err(), "{bad}");
+            assert!(spec_devices(&typed(bad.clone())).is_err(), "{bad}");
         }
     }
 
@@ -378,7 +402,7 @@ mod tests {
     /// devices CRI asked for first, then the host's /dev; one rule allowing every device.
     fn privileged_spec() -> Value {
         json!({
-            "process": {"capabilities": {
+            "process": {"user": {"uid": 0, "gid": 0}, "cwd": "/", "capabilities": {
                 "bounding": ["CAP_CHOWN", "CAP_SYS_ADMIN", "CAP_MKNOD", "CAP_BPF"],
                 "effective": ["CAP_CHOWN", "CAP_SYS_ADMIN", "CAP_MKNOD", "CAP_BPF"],
                 "permitted": ["CAP_CHOWN", "CAP_SYS_ADMIN", "CAP_MKNOD", "CAP_BPF"]}},
@@ -400,36 +424,36 @@ mod tests {
     #[test]
     fn recognises_privileged_specs_as_containerd_writes_them() {
         let p = privileged_spec();
-        assert!(is_privileged(&p));
+        assert!(is_privileged(&typed(p.clone())));
         // containerd leaves the numbers out; other writers spell "any" as -1 or null.
         let mut q = p.clone();
         q["linux"]["resources"]["devices"] =
             json!([{"allow": true, "type": "a", "major": -1, "minor": null, "access": "rwm"}]);
-        assert!(is_privileged(&q));
+        assert!(is_privileged(&typed(q)));
         // The default rules (deny all, allow some): not privileged.
         let mut q = p.clone();
         q["linux"]["resources"]["devices"] = json!([{"allow": false, "access": "rwm"},
             {"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rwm"}]);
-        assert!(!is_privileged(&q));
+        assert!(!is_privileged(&typed(q)));
         // A deny after the allow-all, or an allow-all without mknod: not every device.
         let mut q = p.clone();
         q["linux"]["resources"]["devices"] = json!([{"allow": true, "access": "rwm"},
             {"allow": false, "type": "b", "major": 8, "access": "rwm"}]);
-        assert!(!is_privileged(&q));
+        assert!(!is_privileged(&typed(q)));
         let mut q = p.clone();
         q["linux"]["resources"]["devices"] = json!([{"allow": true, "access": "rw"}]);
-        assert!(!is_privileged(&q));
+        assert!(!is_privileged(&typed(q)));
         // Every device allowed but not the capabilities of a privileged container.
         let mut q = p.clone();
         q["process"]["capabilities"]["bounding"] = json!(["CAP_CHOWN", "CAP_MKNOD"]);
-        assert!(!is_privileged(&q));
-        assert!(!is_privileged(&json!({})));
+        assert!(!is_privileged(&typed(q)));
+        assert!(!is_privileged(&typed(json!({}))));
         assert!(!is_privileged(&spec()));
     }
 
     #[test]
     fn removes_by_position_and_keeps_rules_of_numbers_still_used() {
-        let mut s = json!({"linux": {
+        let mut s = typed(json!({"linux": {
             "devices": [
                 {"path": "/dev/xvda", "type": "b", "major": 7, "minor": 0},
                 {"path": "/dev/xvda", "type": "b", "major": 8, "minor": 0},
@@ -437,10 +461,11 @@ mod tests {
             ],
             "resources": {"devices": [
                 {"allow": true, "type": "b", "major": 7, "minor": 0, "access": "rwm"},
-                {"allow": true, "type": "b", "major": 8, "minor": 0, "access": "rwm"}]}}});
+                {"allow": true, "type": "b", "major": 8, "minor": 0, "access": "rwm"}]}}}));
         let ds = spec_devices(&s).unwrap();
         // The second /dev/xvda and /dev/loop0 go; /dev/xvda (7:0) keeps its rule.
         remove_devices(&mut s, &[ds[1].clone(), ds[2].clone()]);
+        let s = untyped(&s);
         assert_eq!(
             s["linux"]["devices"],
             json!([{"path": "/dev/xvda", "type": "b", "major": 7, "minor": 0}])
@@ -458,6 +483,7 @@ mod tests {
         remove_devices(&mut s, &[ds[1].clone(), ds[4].clone()]);
         let left = spec_devices(&s).unwrap();
         assert_eq!(left.len(), 3);
+        let s = untyped(&s);
         assert!(left
             .iter()
             .all(|d| d.path != "/dev/ro" && d.path != "/dev/vfio/7"));
