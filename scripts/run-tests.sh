@@ -138,9 +138,9 @@ elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   n_embedded=$(( n_embedded - 1 ))
   skipped_embedded=1
   echo "SKIPPED: cri_microvm_hostile_agent's a_console_flood_keeps_the_host_console_log_within_its_bound in the lane: 1.5 MiB through an emulated UART of a guest that is itself emulated takes longer than the suite's bound; the embedded VMM's console bound is tested on this host's /dev/kvm by vmm/tests/kvm_console.rs, and the flood through CRI on the QEMU backend below"
-  # One L1 for the binaries (--vfio: an emulated IOMMU and QEMU's edu device for the VFIO
-  # tests); those an L1 that got stuck had not finished run again in a fresh one, said with a
-  # RETRY line; the lane's boots, freezes, stalls and retries are counted in its last line,
+  # Each binary in an L1 of its own (--vfio: an emulated IOMMU and QEMU's edu device for the
+  # VFIO tests); one whose L1 got stuck before it reported runs again in a fresh one, said with
+  # a RETRY line; the lane's boots, freezes, stalls and retries are counted in its last line,
   # repeated at the end below.
   (
     scripts/lane/run-lane.sh "${exes[@]}"
