@@ -160,12 +160,12 @@ fi
 
 # The fuzz smoke run and cargo deny, from here on at the lowest priority: they take the cycles
 # the builds and tests below leave idle (the host's tests mostly wait on their VMs). Their
-# output is printed at the end. Each fuzz target counts as a test
-# below: passed, or failed when it crashed, hung or ran out of memory; a smoke run that ended
-# before its closing line (the build failed) counts one failure (docs/fuzzing.md). cargo deny
-# checks licenses, bans and sources (deny.toml; no advisory database is reachable offline:
-# docs/security.md) and counts as one test; so does clippy on the fuzz package (its own
-# workspace, which the clippy section above does not reach).
+# output is printed at the end. Each fuzz target counts as a test below: passed, or failed when
+# it crashed, hung or ran out of memory; a smoke run that ended before its closing line (the
+# build failed) counts one failure (docs/fuzzing.md). cargo deny checks licenses, bans and
+# sources (deny.toml; no advisory database is reachable offline: docs/security.md) and counts as
+# one test; so does clippy on the fuzz package (its own workspace, which the workspace's clippy
+# below does not reach).
 (
   echo "== fuzz smoke (at $(elapsed))"
   nice -n 19 scripts/fuzz-smoke.sh
