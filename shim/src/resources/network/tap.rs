@@ -165,12 +165,16 @@ async fn acked(handle: &Handle, msg: RouteNetlinkMessage) -> Result<(), rtnetlin
 /// torn down, a CNI DEL racing a crashed shim's reclaim).
 fn already_gone_is_done(result: Result<(), rtnetlink::Error>) -> Result<(), rtnetlink::Error> {
     match result {
-        Err(rtnetlink::Error::NetlinkError(e))
-            if matches!(-e.raw_code(), libc::ENODEV | libc::ENOENT) =>
-        {
-            Ok(())
-        }
+        Err(e) if matches!(netlink_errno(&e), Some(libc::ENODEV | libc::ENOENT)) => Ok(()),
         other => other,
+    }
+}
+
+/// The errno the kernel answered a netlink request with, if that is what failed.
+fn netlink_errno(e: &rtnetlink::Error) -> Option<i32> {
+    match e {
+        rtnetlink::Error::NetlinkError(m) => Some(-m.raw_code()),
+        _ => None,
     }
 }
 
@@ -199,7 +203,7 @@ async fn undo_link(handle: &Handle, link: &UndoLink) -> Result<(), NetworkError>
         if matches!(link_kind(&tap), Some(InfoKind::Tun)) {
             match handle.link().del(tap.header.index).execute().await {
                 Ok(()) => {}
-                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => {}
+                Err(e) if netlink_errno(&e) == Some(libc::ENODEV) => {}
                 Err(source) => {
                     return Err(NetworkError::Netlink {
                         action: format!("deleting tap {}", link.tap),
@@ -250,9 +254,7 @@ async fn undo_link(handle: &Handle, link: &UndoLink) -> Result<(), NetworkError>
             let filters = match listed {
                 Ok(filters) => filters,
                 // The interface went away since we looked it up: so did its filters.
-                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => {
-                    return Ok(())
-                }
+                Err(e) if netlink_errno(&e) == Some(libc::ENODEV) => return Ok(()),
                 Err(source) => {
                     return Err(NetworkError::Netlink {
                         action: format!("{}: listing ingress filters", link.cni_interface),
