@@ -4,11 +4,16 @@
 #
 #   scripts/lane/run-lane.sh [--events FILE] name=<exe>[@<containerd bin dir>] ...
 #
-# Each binary in an L1 of its own (scripts/lane/run-in-l1.sh --vfio running
-# scripts/lane/embedded-vmm-tests.sh), under its own bound inside L1 and L1 under that bound plus
-# its boot on the host. MICROVM_LANE_L1=one runs them all in one L1 instead, one after the other,
-# L1 under the sum of their bounds: one boot and check-host instead of one a binary (15 s each on
-# an idle host, a minute on a busy one); not make test's way yet (docs/nested-lane.md says why).
+# All of them in one L1 (scripts/lane/run-in-l1.sh --vfio running
+# scripts/lane/embedded-vmm-tests.sh), one after the other, each under its own bound inside L1
+# and L1 under the sum of their bounds plus its boot: one boot and check-host instead of one a
+# binary (15-30 s each on an idle host, a minute on a busy one). MICROVM_LANE_L1=each gives each
+# binary an L1 of its own instead (each under its own bound plus a boot).
+#
+# L1 sees this host's files through a page-cached 9p mount (scripts/lane/l1-init): a binary
+# replaced on the host while L1 runs reads there as a mix of old and new pages, and a shim
+# started from it crashes. So nothing the lane runs may be rebuilt while it runs:
+# scripts/run-tests.sh hands it a copy of the binaries (MICROVM_BIN_DIR).
 #
 # When an L1 does not get to the end (it got stuck: frozen or stalled, its heartbeat stopped
 # and run-in-l1.sh killed it, exit 75; or it crashed or reached its bound), the binaries it had
@@ -97,10 +102,10 @@ run_in_l1s() {
   done
 }
 
-if [ "${MICROVM_LANE_L1:-each}" = one ]; then
-  run_in_l1s "$@"
-else
+if [ "${MICROVM_LANE_L1:-one}" = each ]; then
   for arg in "$@"; do run_in_l1s "$arg"; done
+else
+  run_in_l1s "$@"
 fi
 
 failed=0
