@@ -34,6 +34,8 @@ build: deps
 lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml -- --check
+	$(CARGO) clippy --manifest-path fuzz/Cargo.toml --release --all-targets -- -D warnings
 
 test: deps kernel initrd initrd-hostile guests build
 	scripts/run-tests.sh

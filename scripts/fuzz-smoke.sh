@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 echo "== fuzz package: fmt"
 # (Clippy on the fuzz package checks it without the fuzzing instrumentation, so it cannot share
-# this build: scripts/run-tests.sh runs it after this script, beside the lane.)
+# this build: it is `make lint`'s.)
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 
 echo "== fuzz smoke"

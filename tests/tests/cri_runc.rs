@@ -201,11 +201,17 @@ async fn dropping_the_harness_with_a_running_pod_leaves_nothing() {
         .unwrap();
     cri.start_container(&sleeper).await.unwrap();
     let netns = cri.pod_netns_path(&pod.id).await.unwrap().unwrap();
-    let running = ctrd.leftover_processes();
-    assert!(
-        running.iter().any(|p| p.cmdline.contains("sleep 3600")),
-        "{running:?}"
-    );
+    // runc's StartContainer returns once `runc start` told the container's init to go on: its
+    // process may still be `runc init` for a moment (seen on a loaded host) before it execs.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let running = loop {
+        let running = ctrd.leftover_processes();
+        if running.iter().any(|p| p.cmdline.contains("sleep 3600")) {
+            break running;
+        }
+        assert!(Instant::now() < deadline, "{running:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
     let dir = ctrd.dir().to_path_buf();
     let socket = ctrd.socket().to_path_buf();
     let bridge = ctrd.bridge_name();

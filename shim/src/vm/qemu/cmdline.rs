@@ -22,18 +22,21 @@ const DEFAULT_HZ: u64 = 250;
 /// id and `no_new_privs` is set, so a set*id call can gain nothing.
 pub const QEMU_SANDBOX: &str = "on,obsolete=deny,spawn=deny,resourcecontrol=deny";
 
-/// `console=ttyS0 reboot=t panic=-1 tsc_early_khz=… lpj=…` plus the caller's extra.
+/// `console=ttyS0 reboot=t panic=-1 tsc_early_khz=… lpj=… no_timer_check` plus the caller's
+/// extra.
 ///
 /// `-M microvm` has no timer the kernel can calibrate the TSC against, so the TSC frequency is
 /// given: under TCG and KVM the guest's TSC ticks at the host's TSC rate, measured here once.
 /// `lpj` (loops per jiffy; the delay loop uses the TSC) = TSC Hz / CONFIG_HZ skips the slow
 /// delay-loop calibration. `reboot=t`: a guest reboot triple-faults, and `-no-reboot` makes QEMU
 /// exit. `panic=-1`: a panic reboots at once, so QEMU exits instead of hanging.
+/// `no_timer_check`: see [`crate::vm::KVM_GUEST_CMDLINE`].
 pub(super) fn kernel_cmdline(cfg: &QemuConfig) -> String {
     let tsc_khz = host_tsc_khz();
     let hz = kernel_hz(&cfg.kernel).unwrap_or(DEFAULT_HZ);
     let lpj = tsc_khz.saturating_mul(1000) / hz.max(1);
-    let mut cmdline = format!("console=ttyS0 reboot=t panic=-1 tsc_early_khz={tsc_khz} lpj={lpj}");
+    let mut cmdline =
+        format!("console=ttyS0 reboot=t panic=-1 tsc_early_khz={tsc_khz} lpj={lpj} no_timer_check");
     let extra = cfg.cmdline_extra.trim();
     if !extra.is_empty() {
         cmdline.push(' ');
