@@ -165,7 +165,8 @@ elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   ) >"$embedded" 2>&1 &
   lane_pid=$!
   ran_embedded=1
-  # Its progress as it goes, one line a binary begun or ended (and any retry), marked `[lane]`:
+  # Its progress as it goes, one line a binary begun or ended (and any retry), marked `[lane at
+  # <time>]`:
   # so that a run cut short (CI's time limit) still shows how far the lane got.
   (
     tail -n +1 -F "$embedded" 2>/dev/null |

@@ -133,7 +133,7 @@ async fn link_by_name(handle: &Handle, name: &str) -> Result<Option<LinkMessage>
     let mut links = handle.link().get().match_name(name.to_owned()).execute();
     match links.try_next().await {
         Ok(link) => Ok(link),
-        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(None),
+        Err(e) if netlink_errno(&e) == Some(libc::ENODEV) => Ok(None),
         Err(source) => Err(NetworkError::Netlink {
             action: format!("looking up link {name}"),
             source,
