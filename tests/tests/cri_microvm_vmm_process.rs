@@ -70,6 +70,29 @@ async fn a_pods_vmm_runs_jailed_in_a_process_of_its_own_and_its_death_ends_the_p
     assert_eq!(vmms.len(), 1, "one VMM process under the shim: {vmms:?}");
     let vmm = vmms[0];
 
+    // The VMM process runs the shim's own running binary (the kernel's link to it, so that a
+    // binary replaced on disk meanwhile is not what it starts), named as the shim is for ps.
+    let exe_id = |pid: i32| {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(format!("/proc/{pid}/exe")).unwrap();
+        (m.dev(), m.ino())
+    };
+    assert_eq!(
+        exe_id(vmm),
+        exe_id(shim),
+        "the VMM process runs the shim's binary"
+    );
+    let argv0 = |pid: i32| {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        cmd.split(|&b| b == 0).next().unwrap_or_default().to_vec()
+    };
+    let shim_exe = std::fs::read_link(format!("/proc/{shim}/exe")).unwrap();
+    assert_eq!(
+        argv0(vmm),
+        shim_exe.as_os_str().as_encoded_bytes(),
+        "ps names the VMM process by the shim's path"
+    );
+
     // Every thread: filtered, no_new_privs, only the file server's capabilities.
     let mut names = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{vmm}/task")).unwrap() {

@@ -96,19 +96,46 @@ pub fn describe(
     }
 }
 
-/// Starts `spec`'s VM in a VMM process of its own, from this binary. The shim opens the kernel,
-/// the initrd and /dev/kvm here, and closes its copies once the process runs.
+/// The binary a VMM process runs: the shim's own running binary, through the kernel's link to
+/// it, never its path on disk. A shim lives as long as its pod; when `microvm install` (or a
+/// package upgrade) puts a new binary at that path meanwhile, a VMM started from the path would
+/// be the new binary (whose end of the split's protocol may differ), and one started after an
+/// uninstall would find no file at all (`current_exe` then names a path ending in "(deleted)").
+/// `/proc/self/exe` is the file this process was started from, replaced or not.
+const OWN_BINARY: &str = "/proc/self/exe";
+
+/// What ps shows for a VMM process: the shim's own path (its `argv[0]` as the kernel resolved
+/// it), so that it reads as this shim's child and the tests' leak checks find it by name.
+/// (Without the " (deleted)" the kernel adds once the file at that path is gone.)
+fn own_name() -> std::ffi::OsString {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let Ok(path) = std::env::current_exe() else {
+        return OWN_BINARY.into();
+    };
+    let bytes = path.as_os_str().as_bytes();
+    let kept = bytes.strip_suffix(b" (deleted)").unwrap_or(bytes);
+    std::ffi::OsString::from_vec(kept.to_vec())
+}
+
+/// Starts `spec`'s VM in a VMM process of its own, from this binary (the running one:
+/// [`OWN_BINARY`]). The shim opens the kernel, the initrd and /dev/kvm here, and closes its
+/// copies once the process runs.
 pub fn start(
     spec: &GuestSpec,
     cmdline: String,
     console_log: &Path,
     uds: &Path,
 ) -> Result<VmmProcess, GuestVmError> {
-    let exe = std::env::current_exe().map_err(|e| GuestVmError::Process(e.to_string()))?;
     let files = HostFiles::open(&spec.kernel, Some(&spec.initrd))?;
     let desc = describe(spec, &files, cmdline, console_log, uds);
-    let vmm = VmmProcess::spawn(&exe, &desc, Some(vmm::jail::report_fd()), START_TIMEOUT)
-        .map_err(|e| GuestVmError::Process(e.to_string()));
+    let vmm = VmmProcess::spawn_as(
+        Path::new(OWN_BINARY),
+        &own_name(),
+        &desc,
+        Some(vmm::jail::report_fd()),
+        START_TIMEOUT,
+    )
+    .map_err(|e| GuestVmError::Process(e.to_string()));
     drop(files);
     vmm
 }

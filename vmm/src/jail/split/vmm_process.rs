@@ -3,7 +3,7 @@
 //! [`SUBCOMMAND`]), hands it the description in `Start`, sends the requests of a running VM
 //! over the channel, and says how the process ended ([`VmmEnd`]), reaped through its pidfd.
 
-use std::ffi::CString;
+use std::ffi::{CString, OsStr};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -119,6 +119,19 @@ impl VmmProcess {
         stderr: Option<BorrowedFd<'_>>,
         timeout: Duration,
     ) -> Result<VmmProcess, SplitError> {
+        Self::spawn_as(exe, exe.as_os_str(), desc, stderr, timeout)
+    }
+
+    /// [`VmmProcess::spawn`], with `argv0` as the process's name (its `argv[0]`, what ps
+    /// shows) where `exe` does not say it: an embedder that execs `/proc/self/exe` (its own
+    /// running binary, whatever has since replaced the file at its path) names itself here.
+    pub fn spawn_as(
+        exe: &Path,
+        argv0: &OsStr,
+        desc: &VmDescription,
+        stderr: Option<BorrowedFd<'_>>,
+        timeout: Duration,
+    ) -> Result<VmmProcess, SplitError> {
         let description =
             serde_json::to_string(desc).map_err(|e| SplitError::Description(e.to_string()))?;
         for fd in desc.fds() {
@@ -135,7 +148,7 @@ impl VmmProcess {
         };
         let exe_c = cstr(exe.as_os_str().as_bytes())?;
         let args = [
-            exe_c.clone(),
+            cstr(argv0.as_bytes())?,
             cstr(SUBCOMMAND.as_bytes())?,
             cstr(theirs.as_fd().as_raw_fd().to_string().as_bytes())?,
             // Not read: names the VM (its work folder) for ps and for leak checks.
