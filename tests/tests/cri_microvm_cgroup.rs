@@ -632,6 +632,153 @@ async fn memory_the_guest_frees_leaves_the_pods_host_cgroup() {
     remove_and_check(&ctrd, &cri, &pod, &pc).await;
 }
 
+/// A pod that outgrows its host cgroup: kubelet lowers the pod cgroup (the shim's resize takes
+/// the host cgroup's limit down with it) to 128 MiB above what the pod holds, then a container
+/// fills 200 MiB of the guest: the host's OOM killer ends the VM's process. It is told as such:
+/// the app containers end as OOMKilled with 137 (TaskOOM before their exits), the sandbox is
+/// NOTREADY, and the shim's warn line names the host cgroup, the limit, its parts and what to
+/// raise; nothing is left after the removal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_the_hosts_oom_killer_ends_is_told_as_such() {
+    use microvm_tests::cri::v1::PodSandboxState;
+    const FILL: u64 = 200 * MI;
+    const ROOM: u64 = 128 * MI;
+    let _serial = SERIAL.lock().await;
+    let (_dir, ctrd, cri) = start_cgroup_containerd(None).await;
+    let pc = PodCgroup::create(&ctrd, "hostoom", Some(1024 * MI), Some(2000));
+    let pod = run_pod_in(
+        &ctrd,
+        &cri,
+        "hostoom-pod",
+        &pc,
+        Some((256 * MI, 1000)),
+        HashMap::new(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    let rel = pc.host_cgroup(&pod.id);
+    let sleeper = cri
+        .create_container(
+            &pod,
+            container_config("sleeper", BUSYBOX_IMAGE, &["sleep", "3600"]),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&sleeper).await.unwrap();
+    let idle = host_memory(&rel);
+    let cap = (idle + ROOM) / 4096 * 4096;
+    pc.set_limits(Some(cap), Some(2000));
+    cri.update_container_resources(
+        &sleeper,
+        LinuxContainerResources {
+            memory_limit_in_bytes: 128 * MI as i64,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    assert_eq!(
+        host_limits(&rel).0,
+        cap,
+        "the host cgroup follows the pod cgroup"
+    );
+    assert_eq!(host_oom_kills(&rel), 0);
+
+    let filler = cri
+        .create_container(
+            &pod,
+            container_config(
+                "filler",
+                BUSYBOX_IMAGE,
+                &[
+                    "sh",
+                    "-c",
+                    &format!("(head -c {FILL} /dev/zero; sleep 3600) | tail"),
+                ],
+            ),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&filler).await.unwrap();
+    let mut reasons = Vec::new();
+    for id in [&filler, &sleeper] {
+        let mut status = cri
+            .wait_container_exited(id, Duration::from_secs(240))
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{e} (host cgroup at {} MiB of {} MiB)\ncontainerd log:\n{}",
+                    host_memory(&rel) / MI,
+                    cap / MI,
+                    ctrd.log_tail()
+                )
+            });
+        // containerd records the reason from TaskOOM, published before the exit.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while status.reason != "OOMKilled" && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            status = cri.container_status(id).await.unwrap();
+        }
+        reasons.push((
+            status.metadata.clone().map(|m| m.name),
+            status.exit_code,
+            status.reason,
+        ));
+    }
+    // The kernel's count itself is gone with the cgroup (containerd deletes the ended
+    // sandbox's task at once, and the shim's teardown removes the cgroup): the shim's line
+    // below is read from it.
+    eprintln!(
+        "host OOM in {rel} (limit {} MiB, idle {} MiB): containers {reasons:?}",
+        cap / MI,
+        idle / MI
+    );
+    for (name, code, reason) in &reasons {
+        assert_eq!(
+            (*code, reason.as_str()),
+            (137, "OOMKilled"),
+            "container {name:?}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        );
+    }
+    // containerd handles the sandbox's exit on its own event: NOTREADY within a bound.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let state = loop {
+        let sandbox = cri.pod_sandbox_status(&pod.id, false).await.unwrap();
+        let state = sandbox.status.map(|s| s.state);
+        if state == Some(PodSandboxState::SandboxNotready as i32) || Instant::now() >= deadline {
+            break state;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        state,
+        Some(PodSandboxState::SandboxNotready as i32),
+        "the pod whose VM the host's OOM killer ended\ncontainerd log:\n{}",
+        ctrd.log_tail()
+    );
+    let log = std::fs::read_to_string(ctrd.dir().join("containerd.log")).unwrap_or_default();
+    let line = log
+        .lines()
+        .find(|l| {
+            l.contains("the host's OOM killer killed") && l.contains(&format!("microvm-{}", pod.id))
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no host OOM warn line for {}\ncontainerd log:\n{}",
+                pod.id,
+                ctrd.log_tail()
+            )
+        });
+    for part in [
+        format!("limit of {} MiB", cap / MI),
+        "overhead.podFixed.memory".to_string(),
+    ] {
+        assert!(line.contains(&part), "{part:?} in {line}");
+    }
+    remove_and_check(&ctrd, &cri, &pod, &pc).await;
+}
+
 /// The other two sources, once each: the pod's annotation (under a roomy pod cgroup) and the
 /// config default (a pod cgroup without limits, a pod without resources); then a boot that
 /// fails after the cgroup step leaves none.

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 
 use crate::agent::{AgentClient, AgentError, AgentInfo};
 use crate::config::ConfigError;
+use crate::resources::cgroup::oom::HostOom;
 use crate::resources::cgroup::{self, CgroupError, HostCgroup, HostUsage};
 use crate::resources::devices::{DeviceTable, DevicesError};
 use crate::resources::network::{self, NetworkError};
@@ -149,6 +150,13 @@ impl Sandbox {
             }
             None => Ok(None),
         }
+    }
+
+    /// Whether the host OOM killer ended processes of the pod (its VM's): the kernel's count
+    /// in the pod's host cgroup, read while the cgroup exists. `None` without a host cgroup or
+    /// without a kill.
+    pub fn host_oom(&self) -> Option<HostOom> {
+        self.lock_cgroup().as_ref()?.oom()
     }
 
     fn lock_cgroup(&self) -> std::sync::MutexGuard<'_, Option<HostCgroup>> {

@@ -97,7 +97,7 @@ impl TaskService {
             req.id.clone(),
             pid,
             init.handle(),
-            sandbox.ended(),
+            sandbox.clone(),
         );
         events::watch_oom(
             self.events.clone(),

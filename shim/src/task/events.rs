@@ -28,6 +28,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::agent::stdio::Attached;
 use crate::agent::AgentClient;
+use crate::sandbox::Sandbox;
 use crate::task::container::Containers;
 use crate::task::process::timestamp;
 use crate::task::process::{Exit, StateHandle};
@@ -85,6 +86,19 @@ impl Events {
         }
     }
 
+    /// TaskOOM of container `container_id` (containerd records the container's reason as
+    /// OOMKilled when it exits).
+    pub async fn oom(&self, container_id: &str) {
+        self.publish(
+            topics::TASK_OOM_EVENT_TOPIC,
+            Box::new(TaskOOM {
+                container_id: container_id.to_string(),
+                ..Default::default()
+            }),
+        )
+        .await;
+    }
+
     /// TaskExit of process `id` (the container's id for its init) of container `container_id`.
     pub async fn exit(&self, container_id: &str, id: &str, pid: u32, exit: Exit) {
         self.publish(
@@ -103,16 +117,10 @@ impl Events {
 }
 
 /// The sandbox's exit: once the VM has ended, records it on the sandbox's process and publishes
-/// TaskExit.
-pub fn watch_vm_exit(
-    events: Events,
-    id: String,
-    pid: u32,
-    state: StateHandle,
-    ended: watch::Receiver<Option<VmEnd>>,
-) {
+/// TaskExit; a VM the host's OOM killer ended is told as such first ([`told_host_oom`]).
+pub fn watch_vm_exit(events: Events, id: String, pid: u32, state: StateHandle, pod: Arc<Sandbox>) {
     tokio::spawn(async move {
-        let end = crate::vm::thread::wait_end(ended).await;
+        let end = crate::vm::thread::wait_end(pod.ended()).await;
         let exit = Exit::from(&end);
         state.exited(exit);
         log::info!(
@@ -120,21 +128,40 @@ pub fn watch_vm_exit(
             end.status,
             end.reason
         );
+        told_host_oom(&events, &pod, &id).await;
         events.exit(&id, &id, pid, exit).await;
     });
+}
+
+/// After the pod's VM ended: if the host's OOM killer ended it (the kernel counted a kill in
+/// the pod's host cgroup), says so in a warn line naming the limit, the peak and what to
+/// raise, and publishes TaskOOM for `container_id` (the sandbox's own, or an app container
+/// whose process the VM's end took). Returns whether it did.
+pub async fn told_host_oom(events: &Events, pod: &Sandbox, container_id: &str) -> bool {
+    let Some(oom) = pod.host_oom() else {
+        return false;
+    };
+    if container_id == pod.id() {
+        log::warn!("sandbox {container_id}: {oom}");
+    } else {
+        log::warn!("container {container_id}: ended with its pod's VM: {oom}");
+    }
+    events.oom(container_id).await;
+    true
 }
 
 /// A process's exit (`exec_id` "" = the container's init): waits in the agent for it, lets its
 /// output reach containerd (bounded), records it and publishes TaskExit.
 pub fn watch_process_exit(
     events: Events,
-    agent: AgentClient,
+    pod: Arc<Sandbox>,
     ids: (String, String),
     pid: u32,
     state: StateHandle,
     outputs: Vec<JoinHandle<()>>,
 ) {
     let (id, exec_id) = ids;
+    let agent = pod.agent();
     tokio::spawn(async move {
         let mut pace = tokio::time::interval(WAIT_GAP);
         pace.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -148,6 +175,15 @@ pub fn watch_process_exit(
                 Ok((status, _)) => break status,
                 Err(e) if e.is_timeout() => continue,
                 Err(e) => {
+                    // The agent's connection ends with the VM: a VM the host's OOM killer
+                    // ended takes the process with it as killed (137), told as such (the
+                    // container's init only: TaskOOM is a container's).
+                    if ended_by_host_oom(&pod).await {
+                        if exec_id.is_empty() {
+                            told_host_oom(&events, &pod, &id).await;
+                        }
+                        break 137;
+                    }
                     log::warn!("waiting for process {exec_id:?} of container {id}: {e}");
                     break UNKNOWN_STATUS;
                 }
@@ -180,6 +216,14 @@ pub fn watch_process_exit(
             events.exit(&id, &exec_id, pid, exit).await;
         }
     });
+}
+
+/// Whether the pod's VM has ended (waiting up to [`OOM_WATCH_END_GRACE`] for it) and the host's
+/// OOM killer ended it.
+async fn ended_by_host_oom(pod: &Sandbox) -> bool {
+    let mut ended = pod.ended();
+    let _ = tokio::time::timeout(OOM_WATCH_END_GRACE, ended.wait_for(Option::is_some)).await;
+    pod.has_ended() && pod.host_oom().is_some()
 }
 
 /// After the host's SIGKILL of a process (`id` = the container's id for its init, else the

@@ -138,15 +138,16 @@ impl TaskService {
 
     /// Start of an exec: runs it in the agent, publishes TaskExecStarted, watches for its exit.
     pub(super) async fn exec_start(&self, id: &str, exec_id: &str) -> Result<u32> {
-        let agent = {
+        let pod = {
             let inner = self.inner.lock().await;
             if inner.exec(id, exec_id)?.state() != State::Created {
                 return Err(Error::FailedPrecondition(format!(
                     "exec {exec_id} of container {id} was already started"
                 )));
             }
-            inner.sandbox()?.agent()
+            inner.sandbox()?
         };
+        let agent = pod.agent();
         let pid = agent
             .start_exec(id, exec_id)
             .await
@@ -178,7 +179,7 @@ impl TaskService {
             .await;
         events::watch_process_exit(
             self.events.clone(),
-            agent,
+            pod,
             (id.to_string(), exec_id.to_string()),
             pid,
             handle,

@@ -158,15 +158,18 @@ impl SandboxService {
             .await?;
         // The pod's exit is its VM's; OOM kills in the guest reach containerd as TaskOOM of
         // the app containers, as on the pause path.
-        let ended = vm.ended();
+        // A VM the host's OOM killer ended is told as such (events::told_host_oom).
+        let pod_vm = vm.clone();
+        let sandbox_events = self.task.events.clone();
         let sandbox_id = id.to_string();
         tokio::spawn(async move {
-            let end = crate::vm::thread::wait_end(ended).await;
+            let end = crate::vm::thread::wait_end(pod_vm.ended()).await;
             log::info!(
                 "sandbox {sandbox_id}: VM ended, exit status {} ({})",
                 end.status,
                 end.reason
             );
+            events::told_host_oom(&sandbox_events, &pod_vm, &sandbox_id).await;
             handle.exited(Exit::from(&end));
         });
         events::watch_oom(

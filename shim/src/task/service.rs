@@ -198,8 +198,9 @@ impl Task for TaskService {
             c.is_app() && c.init.state() == State::Created
         };
         if app_to_start {
-            let agent = self.inner.lock().await.sandbox()?.agent();
-            let pid = agent
+            let pod = self.inner.lock().await.sandbox()?;
+            let pid = pod
+                .agent()
                 .start_container(&req.id)
                 .await
                 .map_err(Error::agent(format!("starting container {}", req.id)))?;
@@ -215,7 +216,7 @@ impl Task for TaskService {
             };
             events::watch_process_exit(
                 self.events.clone(),
-                agent,
+                pod,
                 (req.id.clone(), String::new()),
                 pid,
                 handle,

@@ -11,6 +11,7 @@
 //! host-side peak against the declared overhead, removes the cgroup on every controller and
 //! then the record.
 
+pub mod oom;
 pub mod overhead;
 pub mod path;
 
@@ -21,11 +22,13 @@ use std::time::{Duration, Instant};
 use cgroups_rs::fs::cpu::CpuController;
 use cgroups_rs::fs::cpuacct::CpuAcctController;
 use cgroups_rs::fs::memory::MemController;
+use cgroups_rs::fs::Controller;
 use cgroups_rs::fs::{hierarchies, Cgroup};
 use cgroups_rs::CgroupPid;
 use serde::{Deserialize, Serialize};
 
 use crate::state;
+use oom::HostOom;
 use overhead::{Amounts, Defaults, Limits, Overhead};
 use path::PodCgroup;
 
@@ -294,6 +297,24 @@ impl HostCgroup {
             || self.limits.cpu_millis() < u64::from(self.vcpus) * 1000 + self.overhead.cpu_millis
     }
 
+    /// What the host OOM killer did here, if it killed anything: the pod outgrew its limit
+    /// (its VM's process is the one killed, as the largest).
+    pub fn oom(&self) -> Option<HostOom> {
+        let cg = Cgroup::load(hierarchies::auto(), &self.path);
+        let kills = oom_kills(&cg, self.version);
+        (kills > 0).then(|| {
+            let usage = usage_of(&cg, self.version);
+            HostOom {
+                cgroup: self.path.clone(),
+                kills,
+                limit_bytes: self.limits.memory_bytes,
+                peak_bytes: usage.memory_peak_bytes,
+                vm_memory_bytes: self.vm_memory_bytes,
+                overhead_bytes: self.overhead.memory_bytes,
+            }
+        })
+    }
+
     /// The cgroup's current usage.
     pub fn usage(&self) -> HostUsage {
         usage_of(&Cgroup::load(hierarchies::auto(), &self.path), self.version)
@@ -309,6 +330,12 @@ impl HostCgroup {
         self.limits = limits;
         Ok(limits)
     }
+}
+
+/// The kernel's count of OOM kills in `cg` (0 without a memory controller).
+fn oom_kills(cg: &Cgroup, version: Version) -> u64 {
+    cg.controller_of::<MemController>()
+        .map_or(0, |m| oom::kills_in(m.path(), version))
 }
 
 fn usage_of(cg: &Cgroup, version: Version) -> HostUsage {
@@ -410,7 +437,22 @@ pub fn release(record_path: &Path) -> Result<ReleaseOutcome, CgroupError> {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        peak_bytes = usage_of(&cg, record.version).memory_peak_bytes;
+        let usage = usage_of(&cg, record.version);
+        peak_bytes = usage.memory_peak_bytes;
+        let kills = oom_kills(&cg, record.version);
+        if kills > 0 {
+            // Said here too, where every path ends (a shim the OOM killer took itself, with
+            // its in-process VMM, is reclaimed by `<shim> delete`).
+            let oom = HostOom {
+                cgroup: record.path.clone(),
+                kills,
+                limit_bytes: usage.memory_limit_bytes,
+                peak_bytes,
+                vm_memory_bytes: record.vm_memory_bytes,
+                overhead_bytes: record.overhead_memory_bytes,
+            };
+            log::warn!("{oom}");
+        }
         log::info!(
             "host cgroup {}: peak memory {} MiB against VM {} MiB + declared overhead {} MiB{}",
             record.path,

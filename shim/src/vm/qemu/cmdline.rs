@@ -15,6 +15,11 @@ use super::paths::VmPaths;
 /// found beside it.
 const DEFAULT_HZ: u64 = 250;
 
+/// The bound of QEMU's TCG translation cache, in MiB (`-accel tcg,tb-size=`): all of it
+/// counts in the pod's host memory (docs/overhead.md); when full, QEMU flushes it and
+/// translates again, which costs time, not memory.
+pub const TCG_TB_SIZE_MIB: u32 = 64;
+
 /// QEMU's seccomp filter (`-sandbox`): the obsolete system calls, spawning processes and
 /// changing scheduling or resource limits are refused. `elevateprivileges=deny` is left out: it
 /// also refuses the set*id calls of QEMU's own `-runas`, which kill QEMU (SIGSYS) at its drop to
@@ -67,7 +72,10 @@ pub(super) fn qemu_args(cfg: &QemuConfig, paths: &VmPaths, cmdline: &str) -> Vec
     ]);
     match cfg.accel {
         Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
-        Accel::Tcg => push(&["-accel", "tcg"]),
+        // TCG's translation cache is bounded: QEMU's default (1 GiB) grows with the code the
+        // guest runs and is charged to the pod's host cgroup, where over a long life it would
+        // outgrow the overhead and have the host's OOM killer end the VM.
+        Accel::Tcg => push(&["-accel", &format!("tcg,tb-size={TCG_TB_SIZE_MIB}")]),
     }
     // Confined before the guest runs: the seccomp filter from the start, then, once QEMU has
     // opened everything on this command line (kernel, initrd, /dev/kvm, the vhost-user
