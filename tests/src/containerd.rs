@@ -167,6 +167,8 @@ pub struct LeftoverProcess {
 /// A running private containerd. See the module documentation.
 pub struct PrivateContainerd {
     child: Option<Child>,
+    /// How it was started, for a restart.
+    launch: Launch,
     dir: Option<tempfile::TempDir>,
     socket: PathBuf,
     net_index: u8,
@@ -254,9 +256,6 @@ impl PrivateContainerd {
         edit(&config_path, &containerd)
             .map_err(|e| io_err("edit config.toml")(io::Error::other(e)))?;
 
-        let log_path = root.join("containerd.log");
-        let log = File::create(&log_path).map_err(io_err("create containerd.log"))?;
-        let log_err = log.try_clone().map_err(io_err("dup containerd.log"))?;
         // Its own runc shim first (a containerd finds its shims on PATH).
         let mut path = opts.extra_path.clone();
         path.extend(opts.bin_dir.iter().cloned());
@@ -266,23 +265,20 @@ impl PrivateContainerd {
         let path = std::env::join_paths(path).map_err(|e| {
             io_err("PATH")(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))
         })?;
-        let mut cmd = Command::new(&containerd);
         // A `sandboxer = "shim"` handler has no `options` table (containerd 2.1 cannot start its
         // pods' tasks with one, docs/testing-containerd.md): its shims find their config in
         // containerd's environment instead.
-        match (&opts.microvm_config, &opts.microvm_sandboxer) {
-            (Some(path), Some(_)) => cmd.env("MICROVM_CONFIG_PATH", path),
-            _ => cmd.env_remove("MICROVM_CONFIG_PATH"),
+        let launch = Launch {
+            containerd: containerd.clone(),
+            config: config_path.clone(),
+            path,
+            microvm_config: match (&opts.microvm_config, &opts.microvm_sandboxer) {
+                (Some(path), Some(_)) => Some(path.clone()),
+                _ => None,
+            },
+            log: root.join("containerd.log"),
         };
-        let child = cmd
-            .arg("--config")
-            .arg(&config_path)
-            .env("PATH", path)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .map_err(io_err("spawn containerd"))?;
+        let child = launch.spawn(false)?;
 
         eprintln!(
             "private containerd {version} ({}) in {}",
@@ -291,6 +287,7 @@ impl PrivateContainerd {
         );
         let mut me = PrivateContainerd {
             child: Some(child),
+            launch,
             dir: Some(dir),
             socket,
             net_index,
@@ -617,6 +614,16 @@ impl PrivateContainerd {
         }
     }
 
+    /// Restarts containerd as `systemctl restart containerd` does: SIGTERM (its shims, VMs and
+    /// containers keep running), then the same binary and config again, waiting (bounded) for
+    /// its socket. Its log goes on in the same file.
+    pub fn restart_containerd(&mut self, down_for: Duration) -> Result<(), ContainerdError> {
+        self.stop_containerd();
+        std::thread::sleep(down_for);
+        self.child = Some(self.launch.spawn(true)?);
+        self.wait_for_socket(Duration::from_secs(60))
+    }
+
     fn stop_containerd(&mut self) {
         let Some(mut child) = self.child.take() else {
             return;
@@ -696,6 +703,44 @@ impl PrivateContainerd {
                 }
             }
         }
+    }
+}
+
+/// What starts a private containerd (again, for a restart).
+struct Launch {
+    containerd: PathBuf,
+    config: PathBuf,
+    /// Its PATH: the test's shim folders first.
+    path: std::ffi::OsString,
+    /// `MICROVM_CONFIG_PATH` in its environment (a `sandboxer = "shim"` handler's shims).
+    microvm_config: Option<PathBuf>,
+    log: PathBuf,
+}
+
+impl Launch {
+    /// Starts containerd, its output to the log (appended to with `append`).
+    fn spawn(&self, append: bool) -> Result<Child, ContainerdError> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(&self.log)
+            .map_err(io_err("open containerd.log"))?;
+        let log_err = log.try_clone().map_err(io_err("dup containerd.log"))?;
+        let mut cmd = Command::new(&self.containerd);
+        match &self.microvm_config {
+            Some(path) => cmd.env("MICROVM_CONFIG_PATH", path),
+            None => cmd.env_remove("MICROVM_CONFIG_PATH"),
+        };
+        cmd.arg("--config")
+            .arg(&self.config)
+            .env("PATH", &self.path)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .map_err(io_err("spawn containerd"))
     }
 }
 

@@ -633,7 +633,7 @@ async fn memory_the_guest_frees_leaves_the_pods_host_cgroup() {
 }
 
 /// A pod that outgrows its host cgroup: kubelet lowers the pod cgroup (the shim's resize takes
-/// the host cgroup's limit down with it) to 128 MiB above what the pod holds, then a container
+/// the host cgroup's limit down with it) to a little above what the pod holds, then a container
 /// fills 200 MiB of the guest: the host's OOM killer ends the VM's process. It is told as such:
 /// the app containers end as OOMKilled with 137 (TaskOOM before their exits), the sandbox is
 /// NOTREADY, and the shim's warn line names the host cgroup, the limit, its parts and what to
@@ -642,7 +642,14 @@ async fn memory_the_guest_frees_leaves_the_pods_host_cgroup() {
 async fn a_vm_the_hosts_oom_killer_ends_is_told_as_such() {
     use microvm_tests::cri::v1::PodSandboxState;
     const FILL: u64 = 200 * MI;
-    const ROOM: u64 = 128 * MI;
+    // Room for what the backend's own side still grows by (QEMU's TCG translation cache, up
+    // to 64 MiB, fills as the containers start), and no more: the guest's fill is slow in the
+    // nested lane.
+    let room = if test_hypervisor() == "qemu" {
+        128 * MI
+    } else {
+        48 * MI
+    };
     let _serial = SERIAL.lock().await;
     let (_dir, ctrd, cri) = start_cgroup_containerd(None).await;
     let pc = PodCgroup::create(&ctrd, "hostoom", Some(1024 * MI), Some(2000));
@@ -666,7 +673,7 @@ async fn a_vm_the_hosts_oom_killer_ends_is_told_as_such() {
         .unwrap();
     cri.start_container(&sleeper).await.unwrap();
     let idle = host_memory(&rel);
-    let cap = (idle + ROOM) / 4096 * 4096;
+    let cap = (idle + room) / 4096 * 4096;
     pc.set_limits(Some(cap), Some(2000));
     cri.update_container_resources(
         &sleeper,

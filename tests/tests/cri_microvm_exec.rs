@@ -704,3 +704,121 @@ async fn execs_inherit_seccomp_capabilities_user_and_cgroup_of_their_container()
     }
     remove_pod(&ctrd, &cri, &pod).await;
 }
+
+/// containerd restarted under a running pod (`systemctl restart containerd`: SIGTERM, then
+/// started again on the same root and state), its shim, VM and containers running on: a
+/// container that exits while containerd is down is reported exited with its own code after
+/// the restart, a running one stays RUNNING, its log goes on in the same CRI log file, exec
+/// works, and removing the pod leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_lives_through_a_containerd_restart() {
+    let _serial = SERIAL.lock().await;
+    let (_dir, _config, mut ctrd, cri) = start_with_busybox().await;
+    let pod = run_pod(&ctrd, &cri, "microvm-restart").await;
+    let ticker = cri
+        .create_container(
+            &pod,
+            container_config(
+                "ticker",
+                BUSYBOX_IMAGE,
+                &[
+                    "sh",
+                    "-c",
+                    "i=0; while true; do echo tick $i; i=$((i+1)); sleep 1; done",
+                ],
+            ),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&ticker).await.unwrap();
+    let quitter = cri
+        .create_container(
+            &pod,
+            container_config("quitter", BUSYBOX_IMAGE, &["sh", "-c", "sleep 6; exit 3"]),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&quitter).await.unwrap();
+    let log_path = cri.container_status(&ticker).await.unwrap().log_path;
+    let ticks = || {
+        microvm_tests::cri::read_cri_log(Path::new(&log_path))
+            .unwrap_or_default()
+            .len()
+    };
+    let shims = shim_pids(&ctrd, &pod.id);
+
+    // Down for longer than the quitter has left: its exit happens with nobody listening.
+    ctrd.restart_containerd(Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let cri = CriClient::connect(ctrd.socket(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    // CRI answers "not initialized yet" while containerd reloads its pods (it asks each shim).
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while let Err(e) = cri
+        .wait_ready(&[BUSYBOX_IMAGE], Duration::from_secs(5))
+        .await
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{e}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(
+        shim_pids(&ctrd, &pod.id),
+        shims,
+        "the pod's shim ran on through the restart"
+    );
+    let sandbox = cri.pod_sandbox_status(&pod.id, false).await.unwrap();
+    assert_eq!(
+        sandbox.status.map(|s| s.state),
+        Some(microvm_tests::cri::v1::PodSandboxState::SandboxReady as i32),
+        "containerd log:\n{}",
+        ctrd.log_tail()
+    );
+    let quit = cri
+        .wait_container_exited(&quitter, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    assert_eq!(
+        quit.exit_code,
+        3,
+        "the exit while containerd was down: {quit:?}\ncontainerd's warnings and errors:\n{}",
+        warnings(&ctrd)
+    );
+    let status = cri.container_status(&ticker).await.unwrap();
+    assert_eq!(
+        status.state,
+        microvm_tests::cri::v1::ContainerState::ContainerRunning as i32,
+        "{status:?}"
+    );
+    let out = cri
+        .exec_sync(&ticker, &["echo", "after"], 60)
+        .await
+        .unwrap();
+    assert_eq!((out.exit_code, out.stdout.as_str()), (0, "after\n"));
+    // Its output reaches the same log file again.
+    let before = ticks();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ticks() < before + 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the ticker's log stopped at {before} lines after the restart\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    remove_pod(&ctrd, &cri, &pod).await;
+}
+
+/// containerd's log lines at warn and error level (the whole run's).
+fn warnings(ctrd: &PrivateContainerd) -> String {
+    std::fs::read_to_string(ctrd.dir().join("containerd.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("level=warn") || l.contains("level=error"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}

@@ -269,7 +269,12 @@ impl Task for TaskService {
             id: req.id.clone(),
             bundle: c.bundle.clone(),
             pid: c.init.pid,
+            // All of its stdio: a restarted containerd re-attaches the container's log to the
+            // FIFOs this names (without them its output after the restart goes nowhere).
             stdin: c.init.fifos.stdin.clone(),
+            stdout: c.init.fifos.stdout.clone(),
+            stderr: c.init.fifos.stderr.clone(),
+            terminal: c.init.fifos.terminal,
             ..Default::default()
         };
         set_status(&mut resp, c.init.state());
@@ -431,15 +436,19 @@ impl Task for TaskService {
         let (pid, agent) = {
             let inner = self.inner.lock().await;
             let c = inner.get(&req.id)?;
-            let agent = if c.is_app() {
+            // An app container whose init has exited (and is not deleted yet) answers with its
+            // init's pid, as the sandbox does: a restarted containerd (1.7, 2.x) takes a task
+            // whose Pids are empty for a shim left over from a crash and deletes it, so the
+            // exit that happened while it was down would be lost (reported 255, "Unknown").
+            let agent = if c.is_app() && c.init.exit().is_none() {
                 Some(inner.sandbox()?.agent())
             } else {
                 None
             };
             (c.init.pid, agent)
         };
-        // The sandbox's process is the shim, which runs the VM; an app container's are the
-        // guest pids in its cgroup.
+        // The sandbox's process is the shim, which runs the VM; a running app container's are
+        // the guest pids in its cgroup.
         let pids = match agent {
             None => vec![pid],
             Some(agent) => agent
