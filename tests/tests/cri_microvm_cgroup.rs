@@ -6,8 +6,9 @@
 //! from each source once (the pod cgroup, an annotation, the config), a memory hog in the guest
 //! is OOM-killed in the guest while the VMM lives on, the sandbox's Stats show the host cgroup
 //! next to the guest, Update resizes it, memory the guest frees leaves it again (free page
-//! reporting), and nothing is left after removal, after kill -9 of the shim, or after a boot
-//! that failed.
+//! reporting), a pod that outgrows its host cgroup is ended by the host's OOM killer and told
+//! as such (OOMKilled containers, the shim's warn line), and nothing is left after removal,
+//! after kill -9 of the shim, or after a boot that failed.
 //!
 //! The backend is `MICROVM_TEST_HYPERVISOR` (QEMU by default; the nested lane runs it on the
 //! embedded VMM: docs/nested-lane.md). Needs root, containerd, QEMU and vhost-device-vsock

@@ -1,7 +1,8 @@
 //! Processes in a microvm pod's app containers through containerd (CRI and `ctr`), under the
 //! QEMU backend with our guest kernel and initrd from build/: ExecSync (guest kernel, exit
 //! codes, a missing binary), an interactive exec on a terminal with resizes, stdin piped
-//! through and closed, ContainerStats from the guest's cgroup, Pause/Resume. Needs what
+//! through and closed, ContainerStats from the guest's cgroup, Pause/Resume, a containerd
+//! restart under a running pod. Needs what
 //! tests/tests/cri_microvm.rs needs (root, Debian's containerd and ctr, QEMU,
 //! vhost-device-vsock, `make kernel initrd`).
 //!
