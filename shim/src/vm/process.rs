@@ -108,10 +108,15 @@ const OWN_BINARY: &str = "/proc/self/exe";
 /// it), so that it reads as this shim's child and the tests' leak checks find it by name.
 /// (Without the " (deleted)" the kernel adds once the file at that path is gone.)
 fn own_name() -> std::ffi::OsString {
+    match std::env::current_exe() {
+        Ok(path) => name_of(&path),
+        Err(_) => OWN_BINARY.into(),
+    }
+}
+
+/// `path` as the kernel gives it for a running binary, less the " (deleted)" it adds.
+fn name_of(path: &Path) -> std::ffi::OsString {
     use std::os::unix::ffi::{OsStrExt, OsStringExt};
-    let Ok(path) = std::env::current_exe() else {
-        return OWN_BINARY.into();
-    };
     let bytes = path.as_os_str().as_bytes();
     let kept = bytes.strip_suffix(b" (deleted)").unwrap_or(bytes);
     std::ffi::OsString::from_vec(kept.to_vec())
@@ -138,4 +143,16 @@ pub fn start(
     .map_err(|e| GuestVmError::Process(e.to_string()));
     drop(files);
     vmm
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replaced_binary_is_named_by_its_path_alone() {
+        let bin = "/usr/local/bin/containerd-shim-microvm-v1";
+        assert_eq!(name_of(Path::new(bin)), bin);
+        assert_eq!(name_of(Path::new(&format!("{bin} (deleted)"))), bin);
+    }
 }
