@@ -545,6 +545,28 @@ fn host_memory(rel: &str) -> u64 {
 
 /// Polls the host cgroup's charge until `done` holds of it; returns the last reading, which
 /// the caller checks (the bound is a liveness bound, not a timing target).
+/// Starts a container `filler` that holds `bytes` of the guest's memory (busybox tail keeps
+/// its whole input until EOF: zeros without a newline, held while the writer sleeps).
+async fn start_filler(cri: &CriClient, pod: &Pod, bytes: u64) -> String {
+    let filler = cri
+        .create_container(
+            pod,
+            container_config(
+                "filler",
+                BUSYBOX_IMAGE,
+                &[
+                    "sh",
+                    "-c",
+                    &format!("(head -c {bytes} /dev/zero; sleep 3600) | tail"),
+                ],
+            ),
+        )
+        .await
+        .unwrap();
+    cri.start_container(&filler).await.unwrap();
+    filler
+}
+
 async fn poll_host_memory(rel: &str, bound: Duration, done: impl Fn(u64) -> bool) -> u64 {
     let deadline = Instant::now() + bound;
     loop {
@@ -579,24 +601,7 @@ async fn memory_the_guest_frees_leaves_the_pods_host_cgroup() {
     let rel = pc.host_cgroup(&pod.id);
     let idle = host_memory(&rel);
 
-    // busybox tail keeps its whole input until EOF: 160 MiB without a newline, held while the
-    // writer sleeps.
-    let filler = cri
-        .create_container(
-            &pod,
-            container_config(
-                "filler",
-                BUSYBOX_IMAGE,
-                &[
-                    "sh",
-                    "-c",
-                    &format!("(head -c {FILL} /dev/zero; sleep 3600) | tail"),
-                ],
-            ),
-        )
-        .await
-        .unwrap();
-    cri.start_container(&filler).await.unwrap();
+    let filler = start_filler(&cri, &pod, FILL).await;
     let held = poll_host_memory(&rel, Duration::from_secs(180), |m| m >= idle + FILL * 3 / 4).await;
     assert!(
         held >= idle + FILL * 3 / 4,
@@ -692,22 +697,7 @@ async fn a_vm_the_hosts_oom_killer_ends_is_told_as_such() {
     );
     assert_eq!(host_oom_kills(&rel), 0);
 
-    let filler = cri
-        .create_container(
-            &pod,
-            container_config(
-                "filler",
-                BUSYBOX_IMAGE,
-                &[
-                    "sh",
-                    "-c",
-                    &format!("(head -c {FILL} /dev/zero; sleep 3600) | tail"),
-                ],
-            ),
-        )
-        .await
-        .unwrap();
-    cri.start_container(&filler).await.unwrap();
+    let filler = start_filler(&cri, &pod, FILL).await;
     let mut reasons = Vec::new();
     for id in [&filler, &sleeper] {
         let mut status = cri
