@@ -15,10 +15,12 @@ mod executor;
 #[cfg(feature = "hostile-test-hooks")]
 mod hostile;
 mod init;
+mod listener;
 mod logger;
 mod network;
 mod oom;
 mod pod_namespace;
+mod port_forward;
 mod power;
 mod privileged;
 mod reaper;
@@ -71,6 +73,13 @@ fn stdio_default(listen: &str) -> String {
     }
 }
 
+fn forward_default(listen: &str) -> String {
+    match listen.strip_prefix("unix://") {
+        Some(path) => format!("unix://{path}.forward"),
+        None => port_forward::default_address(),
+    }
+}
+
 /// The ttrpc address from `--listen ADDR`.
 fn listen_address(args: impl IntoIterator<Item = String>) -> String {
     option(args, "listen").unwrap_or_else(server::default_address)
@@ -90,6 +99,8 @@ fn run(pid1: bool) -> anyhow::Result<()> {
     let address = listen_address(args.clone());
     let stdio_address =
         option(args.clone(), "stdio-listen").unwrap_or_else(|| stdio_default(&address));
+    let forward_address =
+        option(args.clone(), "forward-listen").unwrap_or_else(|| forward_default(&address));
     let state_dir =
         PathBuf::from(option(args, "state-dir").unwrap_or_else(|| DEFAULT_STATE_DIR.to_owned()));
     reaper::spawn()?;
@@ -97,6 +108,7 @@ fn run(pid1: bool) -> anyhow::Result<()> {
     log::warn!("this agent has HOSTILE TEST HOOKS (guest-agent/src/hostile.rs): tests only");
     let containers = Arc::new(containers::Containers::new(&state_dir));
     stdio::serve(&stdio_address, containers.clone())?;
+    port_forward::serve(&forward_address)?;
     let oom = Arc::new(oom::OomEvents::default());
     oom.watch(containers.clone())
         .context("starting the OOM watcher")?;

@@ -10,11 +10,12 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::UnixListener;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agent_protocol::stdio::{StreamHeader, StreamKind, MAX_HEADER_LEN};
+
+use crate::listener::{self, shutdown, Conn, ListenError};
 
 /// Time a new connection has to send its header.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -28,24 +29,12 @@ pub enum StdioError {
     Pipe(io::Error),
     #[error("opening /dev/null: {0}")]
     DevNull(io::Error),
-    #[error("listening on {address}: {source}")]
-    Listen { address: String, source: io::Error },
-    #[error("unsupported stdio address {0:?} (vsock://-1:PORT or unix:///path)")]
-    Address(String),
-    #[error("spawning a thread: {0}")]
-    Thread(io::Error),
+    #[error("stdio streams: {0}")]
+    Listen(#[from] ListenError),
 }
 
 /// One end of a stream inside the agent: a pipe end or a dup of the pty master.
 type Endpoint = File;
-
-/// A connection from the host (a vsock or Unix stream socket, used through read/write/shutdown).
-type Conn = File;
-
-fn shutdown(conn: &Conn, how: libc::c_int) {
-    // SAFETY: shutdown(2) on a socket fd we own; errors (e.g. already closed peer) are harmless.
-    unsafe { libc::shutdown(conn.as_raw_fd(), how) };
-}
 
 #[derive(Default)]
 struct Slot {
@@ -277,56 +266,10 @@ pub trait StreamLookup: Send + Sync + 'static {
     fn streams(&self, container_id: &str, exec_id: &str) -> Option<Arc<Streams>>;
 }
 
-/// Reads the header line byte by byte (what follows is stdin data), bounded in size and time.
+/// Reads the header line (what follows is stdin data), bounded in size and time.
 fn read_header(conn: &mut Conn) -> Result<StreamHeader, String> {
-    set_read_timeout(conn, Some(HEADER_TIMEOUT)).map_err(|e| e.to_string())?;
-    let mut line = Vec::with_capacity(64);
-    loop {
-        let mut byte = [0u8; 1];
-        match conn.read(&mut byte) {
-            Ok(0) => return Err("closed before the header".into()),
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(format!("reading the header: {e}")),
-        }
-        line.push(byte[0]);
-        if byte[0] == b'\n' {
-            break;
-        }
-        if line.len() >= MAX_HEADER_LEN {
-            return Err("header too long".into());
-        }
-    }
-    set_read_timeout(conn, None).map_err(|e| e.to_string())?;
+    let line = listener::read_line(conn, MAX_HEADER_LEN, HEADER_TIMEOUT)?;
     StreamHeader::parse(&line).map_err(|e| e.to_string())
-}
-
-fn set_read_timeout(conn: &Conn, timeout: Option<Duration>) -> io::Result<()> {
-    let tv = match timeout {
-        Some(t) => libc::timeval {
-            tv_sec: libc::time_t::try_from(t.as_secs()).unwrap_or(libc::time_t::MAX),
-            tv_usec: 0,
-        },
-        None => libc::timeval {
-            tv_sec: 0,
-            tv_usec: 0,
-        },
-    };
-    // SAFETY: SO_RCVTIMEO takes a timeval, valid for the call; the fd is a socket we own.
-    let rc = unsafe {
-        libc::setsockopt(
-            conn.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            libc::socklen_t::try_from(std::mem::size_of::<libc::timeval>()).unwrap_or(0),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
 
 fn handle_connection(mut conn: Conn, lookup: &dyn StreamLookup) {
@@ -355,107 +298,17 @@ fn handle_connection(mut conn: Conn, lookup: &dyn StreamLookup) {
     }
 }
 
-enum Listener {
-    Unix(UnixListener),
-    Vsock(OwnedFd),
-}
-
-impl Listener {
-    fn bind(address: &str) -> Result<Self, StdioError> {
-        let listen_err = |source| StdioError::Listen {
-            address: address.to_owned(),
-            source,
-        };
-        if let Some(path) = address.strip_prefix("unix://") {
-            let _ = std::fs::remove_file(path);
-            return UnixListener::bind(path).map(Self::Unix).map_err(listen_err);
-        }
-        let port: u32 = address
-            .strip_prefix("vsock://-1:")
-            .and_then(|p| p.parse().ok())
-            .ok_or_else(|| StdioError::Address(address.to_owned()))?;
-        // SAFETY: plain socket(2).
-        let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(listen_err(io::Error::last_os_error()));
-        }
-        // SAFETY: socket succeeded; the fd is new and ours.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: sockaddr_vm is plain data; all-zero is a valid value to fill in.
-        let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
-        addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
-        addr.svm_port = port;
-        addr.svm_cid = libc::VMADDR_CID_ANY;
-        let len = libc::socklen_t::try_from(std::mem::size_of::<libc::sockaddr_vm>())
-            .map_err(|_| StdioError::Address(address.to_owned()))?;
-        // SAFETY: `addr` is a valid sockaddr_vm of `len` bytes.
-        let rc = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&addr as *const libc::sockaddr_vm).cast(),
-                len,
-            )
-        };
-        // SAFETY: listen on our bound socket.
-        if rc != 0 || unsafe { libc::listen(fd.as_raw_fd(), 64) } != 0 {
-            return Err(listen_err(io::Error::last_os_error()));
-        }
-        Ok(Self::Vsock(fd))
-    }
-
-    fn accept(&self) -> io::Result<Conn> {
-        match self {
-            Self::Unix(listener) => listener.accept().map(|(s, _)| File::from(OwnedFd::from(s))),
-            Self::Vsock(fd) => {
-                // SAFETY: accept4 on our listening socket; the peer address is not needed.
-                let conn = unsafe {
-                    libc::accept4(
-                        fd.as_raw_fd(),
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                        libc::SOCK_CLOEXEC,
-                    )
-                };
-                if conn < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // SAFETY: accept4 returned a new fd that is ours.
-                Ok(unsafe { File::from_raw_fd(conn) })
-            }
-        }
-    }
-}
-
 /// The default stdio address in the guest.
 pub fn default_address() -> String {
     format!("vsock://-1:{}", agent_protocol::AGENT_STDIO_PORT)
 }
 
-/// Binds `address` (`vsock://-1:PORT` or `unix:///path`) and serves stdio connections on a
-/// thread for the agent's whole life.
+/// Binds `address` (`vsock://-1:PORT` or `unix:///path`) and serves stdio connections for the
+/// agent's whole life.
 pub fn serve(address: &str, lookup: Arc<dyn StreamLookup>) -> Result<(), StdioError> {
-    let listener = Listener::bind(address)?;
-    std::thread::Builder::new()
-        .name("stdio-accept".into())
-        .spawn(move || loop {
-            match listener.accept() {
-                Ok(conn) => {
-                    let lookup = lookup.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("stdio-header".into())
-                        .spawn(move || handle_connection(conn, lookup.as_ref()));
-                    if let Err(e) = spawned {
-                        log::warn!("stdio: no thread for a connection: {e}");
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    log::warn!("stdio accept: {e}");
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
-        })
-        .map_err(StdioError::Thread)?;
+    listener::serve(address, "stdio", move |conn| {
+        handle_connection(conn, lookup.as_ref())
+    })?;
     Ok(())
 }
 

@@ -360,6 +360,23 @@ impl CriClient {
         })
     }
 
+    /// PortForward: the streaming URL (containerd's stream server) for `ports` of pod `pod_id`;
+    /// `port_forward::PortForwardSession` speaks its protocol.
+    pub async fn port_forward(&self, pod_id: &str, ports: &[u16]) -> Result<String, CriError> {
+        let response = self
+            .call(
+                "PortForward",
+                self.runtime
+                    .clone()
+                    .port_forward(k8s_cri::v1::PortForwardRequest {
+                        pod_sandbox_id: pod_id.to_string(),
+                        port: ports.iter().map(|&p| i32::from(p)).collect(),
+                    }),
+            )
+            .await?;
+        Ok(response.url)
+    }
+
     pub async fn container_status(&self, id: &str) -> Result<ContainerStatus, CriError> {
         self.call(
             "ContainerStatus",

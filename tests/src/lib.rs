@@ -17,4 +17,5 @@ pub mod microvm_pods;
 pub mod netns;
 pub mod pod_net;
 pub mod podresources;
+pub mod port_forward;
 pub mod vsock_peer;

@@ -26,6 +26,7 @@ use microvm_tests::containerd::{CniOptions, PrivateContainerd};
 use microvm_tests::cri::{container_config, CriClient, Pod};
 use microvm_tests::lifecycle::wait_pod_gone;
 use microvm_tests::microvm_pods::*;
+use microvm_tests::port_forward::{http_body, Forwarded, PortForwardSession};
 
 /// The tests of this file share /run/microvm; they run one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -186,11 +187,15 @@ async fn wget_from(cri: &CriClient, container: &str, ip: &str) -> String {
     } else {
         ip.to_string()
     };
-    let url = format!("http://{host}:{HTTP_PORT}/");
+    wget_url(cri, container, &format!("http://{host}:{HTTP_PORT}/")).await
+}
+
+/// `wget` of `url` from inside `container`, retried (the server may be starting).
+async fn wget_url(cri: &CriClient, container: &str, url: &str) -> String {
     let deadline = Instant::now() + REACH_TIMEOUT;
     loop {
         let out = cri
-            .exec_sync(container, &["wget", "-q", "-O", "-", &url], 30)
+            .exec_sync(container, &["wget", "-q", "-O", "-", url], 30)
             .await
             .unwrap();
         if out.exit_code == 0 || Instant::now() >= deadline {
@@ -324,6 +329,136 @@ async fn a_host_port_reaches_the_pod_through_portmap() {
         .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
     assert_eq!(String::from_utf8_lossy(&body).trim(), "net-hostport");
     remove_and_check(&ctrd, &cri, &pod).await;
+}
+
+/// A port only the pod's loopback serves (busybox httpd on 127.0.0.1).
+const LOOPBACK_PORT: u16 = 9090;
+/// A port nobody listens on in the pod.
+const CLOSED_PORT: u16 = 7777;
+/// Concurrent PortForward sessions of the concurrency check.
+const SESSIONS: usize = 4;
+
+/// `GET <path>` (HTTP/1.0) to each of `ports` through one PortForward session at `url`: what
+/// came back, per port.
+fn gets_through(url: &str, ports: &[u16], path: &str) -> Result<Forwarded, String> {
+    let mut session = PortForwardSession::open(url, ports, REACH_TIMEOUT)?;
+    for i in 0..ports.len() {
+        session.send(
+            i,
+            format!("GET {path} HTTP/1.0\r\nHost: pod\r\n\r\n").as_bytes(),
+        )?;
+    }
+    session.finish()
+}
+
+/// `sessions` PortForward sessions for `ports` of `pod`, at once, each carrying `GET <path>`
+/// to every port: what came back, per session and port.
+async fn forward_gets(
+    ctrd: &PrivateContainerd,
+    cri: &CriClient,
+    pod: &Pod,
+    sessions: usize,
+    ports: &[u16],
+    path: &str,
+) -> Vec<Forwarded> {
+    let mut urls = Vec::new();
+    for _ in 0..sessions {
+        urls.push(cri.port_forward(&pod.id, ports).await.unwrap());
+    }
+    let (ports, request) = (ports.to_vec(), path.to_string());
+    let carried = tokio::task::spawn_blocking(move || {
+        let threads: Vec<_> = urls
+            .into_iter()
+            .map(|url| {
+                let (ports, path) = (ports.clone(), request.clone());
+                std::thread::spawn(move || gets_through(&url, &ports, &path))
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .unwrap();
+    carried.unwrap_or_else(|e| {
+        panic!(
+            "port-forward {path}: {e}\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        )
+    })
+}
+
+/// kubectl port-forward (CRI PortForward): containerd dials `localhost:<port>` in the pod's
+/// netns on the host; for a microvm pod that reaches the same port on the guest's loopback,
+/// as it reaches the pod's own loopback for a runc pod (the same assertions on both): a port
+/// served only on 127.0.0.1 in the pod, two ports in one session, several sessions at once
+/// carrying 256 KiB each intact, and a port nobody listens on reported as an error on the
+/// session's error channel. Nothing is left after the pods are removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_forward_reaches_the_pods_loopback_ports() {
+    let _serial = SERIAL.lock().await;
+    let (_dir, ctrd, cri) = start_net().await;
+    let mut pods = Vec::new();
+    for handler in ["runc", "microvm"] {
+        let name = format!("net-pf-{handler}");
+        let (pod, httpd) =
+            pod_serving(&ctrd, &cri, &name, handler, PodExtras::default(), 256).await;
+        let script = format!(
+            "mkdir -p /lo && echo loopback-only > /lo/index.html && \
+             exec httpd -f -p 127.0.0.1:{LOOPBACK_PORT} -h /lo"
+        );
+        start_container(&ctrd, &cri, &pod, "lo-httpd", &["sh", "-c", &script]).await;
+        // Both servers up: the pod's IP answers, and the loopback one inside the pod.
+        let (ip, _) = pod_ips(&cri, &pod).await;
+        let big = http_get_async(SocketAddr::new(ip.parse().unwrap(), HTTP_PORT), "/big")
+            .await
+            .unwrap_or_else(|e| panic!("{handler}: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        assert_eq!(big.len(), 256 * 1024);
+        assert_eq!(
+            wget_url(&cri, &httpd, &format!("http://127.0.0.1:{LOOPBACK_PORT}/"))
+                .await
+                .trim(),
+            "loopback-only"
+        );
+
+        // Two ports in one session, one of them served only on the pod's loopback.
+        let got = forward_gets(&ctrd, &cri, &pod, 1, &[HTTP_PORT, LOOPBACK_PORT], "/").await;
+        let got = &got[0];
+        assert_eq!(got.errors, ["", ""], "{handler}");
+        let bodies: Vec<String> = got
+            .data
+            .iter()
+            .map(|d| {
+                String::from_utf8_lossy(&http_body(d).unwrap())
+                    .trim()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(bodies, [name.as_str(), "loopback-only"], "{handler}");
+
+        // Several sessions at once, each carrying the whole of /big.
+        for got in forward_gets(&ctrd, &cri, &pod, SESSIONS, &[HTTP_PORT], "/big").await {
+            assert_eq!(got.errors, [""], "{handler}");
+            assert!(
+                http_body(&got.data[0]).unwrap() == big,
+                "{handler}: /big differs"
+            );
+        }
+
+        // A port nobody listens on: no data, an error naming the port.
+        let got = forward_gets(&ctrd, &cri, &pod, 1, &[CLOSED_PORT], "/").await;
+        let got = &got[0];
+        assert!(got.data[0].is_empty(), "{handler}: {:?}", got.data);
+        assert!(
+            got.errors[0].contains(&CLOSED_PORT.to_string()),
+            "{handler}: {:?}",
+            got.errors
+        );
+        pods.push(pod);
+    }
+    let pods: Vec<&Pod> = pods.iter().collect();
+    remove_all_and_check(&ctrd, &cri, &pods).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -426,3 +426,51 @@ fn bad_input_errors_clearly_and_leaves_nothing() {
     );
     assert!(!record.exists());
 }
+
+/// Port-forward's host side: every TCP connection made in the pod netns to 127.0.0.1, on any
+/// port, reaches the shim's one listener, whose accepted connection names the port dialed;
+/// nothing else changes in the netns, and dropping the catch (as a teardown or the shim's
+/// death does) leaves the loopback as it was: connections refused again.
+#[test]
+fn the_loopback_catch_takes_tcp_to_127_0_0_1_on_every_port_and_leaves_nothing() {
+    use std::io::{Read, Write};
+    use std::net::{Ipv4Addr, TcpStream};
+
+    use shim::resources::network::loopback::catch_loopback;
+
+    require_root();
+    let net = TestNet::with_cni_interface();
+    let dial_to =
+        |ip: Ipv4Addr, port: u16| in_netns(&net.pod_path(), move || TcpStream::connect((ip, port)));
+    let dial = |port: u16| dial_to(Ipv4Addr::LOCALHOST, port);
+    assert!(dial(8080).is_err(), "nothing listens before the catch");
+    let links_before = net.pod_links();
+
+    let caught = catch_loopback(&net.pod_path()).expect("catch the loopback");
+    let (listener, redirect) = caught.into_parts();
+    listener.set_nonblocking(false).unwrap();
+    for port in [1, 80, 8080, 65535] {
+        let mut client = dial(port).unwrap_or_else(|e| panic!("port {port}: {e}"));
+        let (mut conn, peer) = listener.accept().expect("accept");
+        assert_eq!(conn.local_addr().unwrap().port(), port);
+        assert_eq!(peer.ip(), std::net::IpAddr::from(Ipv4Addr::LOCALHOST));
+        client.write_all(b"ping").unwrap();
+        let mut got = [0u8; 4];
+        conn.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"ping");
+    }
+    // Only 127.0.0.1: the pod's own address in the netns (eth0's, 10.77.0.5) is not taken.
+    assert!(dial_to(Ipv4Addr::new(10, 77, 0, 5), 8080).is_err());
+    listener.set_nonblocking(true).unwrap();
+    assert!(listener.accept().is_err(), "nothing reached the catch");
+    listener.set_nonblocking(false).unwrap();
+    assert_eq!(net.pod_links(), links_before, "no link added");
+
+    // The listener closed but the program still attached: refused, never a hang.
+    drop(listener);
+    assert!(dial(8080).is_err());
+    drop(redirect);
+    assert!(dial(8080).is_err(), "refused again after the catch is gone");
+    let err = catch_loopback(Path::new("/nonexistent/netns")).expect_err("no netns");
+    assert!(err.to_string().contains("/nonexistent/netns"), "{err}");
+}

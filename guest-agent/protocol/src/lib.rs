@@ -21,6 +21,10 @@ pub const AGENT_STDIO_PORT: u32 = 1025;
 /// guest.
 pub const AGENT_READY_PORT: u32 = 1026;
 
+/// The vsock port of the agent's port-forward streams (see [`forward`]): one connection per
+/// TCP connection containerd's PortForward makes to the pod's loopback on the host.
+pub const AGENT_FORWARD_PORT: u32 = 1027;
+
 /// What the agent's ready line starts with (on the console and on [`AGENT_READY_PORT`]).
 pub const AGENT_READY_PREFIX: &str = "microvm-agent: ready";
 
@@ -52,6 +56,7 @@ pub const VOLUME_KEY_OPTION: &str = "x-microvm-volume=";
 /// privileged container every device of the host.
 pub const PRIVILEGED_ANNOTATION: &str = "microvm.io/privileged";
 
+pub mod forward;
 pub mod stdio;
 
 /// Longest hostname Linux accepts (HOST_NAME_MAX).

@@ -6,6 +6,7 @@
 //!   length and time, with the retrying connect of a booting VM.
 //! - [`client`]: [`AgentClient`], one typed method per RPC over one generic call helper.
 //! - [`stdio`]: a process's FIFOs copied to and from its stdio streams, as tokio tasks.
+//! - [`forward`]: a port-forward stream to a TCP port on the guest's loopback.
 //!
 //! Whatever comes back from the VM is hostile: the handshake line is bounded in length and time,
 //! ttrpc bounds messages (4 MiB: a longer frame is read and dropped, never held), every call has
@@ -17,6 +18,7 @@
 
 pub mod client;
 pub mod connection;
+pub mod forward;
 pub mod stdio;
 
 use std::path::PathBuf;

@@ -11,7 +11,10 @@
 //!    (`resources::cgroup`, recorded in the state directory before it is made; skipped with an
 //!    info log when the spec has no `cgroupsPath` or the config disables it);
 //! 5. the network: a tap per CNI interface in the pod netns the sandbox spec names, redirected
-//!    both ways (`resources::network`, recorded in the state directory before anything is made);
+//!    both ways (`resources::network`, recorded in the state directory before anything is made),
+//!    and the netns's loopback caught for port-forward (`resources::network::loopback`: a
+//!    listening socket and a BPF program that live as long as the shim's fds, nothing to
+//!    record; a host that cannot do it gets a warn line and a pod without port-forward);
 //! 6. storage: the pod's shared folder, exported to the guest over virtio-fs: a small tmpfs of
 //!    its own, read-only to the guest, which only the shim can write through a detached mount of
 //!    its own (`resources::storage`);
@@ -26,7 +29,9 @@
 //! 10. the agent: connected and checked;
 //! 11. the guest's network: ConfigureNetwork gives its NICs the CNI interfaces' names, MTU,
 //!     addresses and routes;
-//! 12. the pod's sysctls, written in the guest before any container exists.
+//! 12. the pod's sysctls, written in the guest before any container exists;
+//! 13. port-forward served: the caught loopback's connections carried to the guest
+//!     ([`super::port_forward`]).
 //!
 //! The boot is one transaction: each host resource is recorded in the state directory before
 //! it is made, and a step that fails has one undo ([`undo_boot`]: the VM stopped if it started,
@@ -50,7 +55,9 @@ use crate::vm::{
     Backend, BackendChoice, DiskBacking, GuestDisk, GuestNic, GuestSpec, QemuPrograms, SharedDir,
 };
 
+use super::port_forward::PortForward;
 use super::{release_host_resources, spec, Sandbox, SandboxError};
+use crate::resources::network::loopback::LoopbackListener;
 
 /// How long connecting to a ready agent may take.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -160,6 +167,12 @@ impl Sandbox {
             Ok(ready) => ready,
             Err(e) => return Err(undo_boot(id, &state, Some(&vm), e).await),
         };
+        // 13. Port-forward.
+        let port_forward = host.loopback.and_then(|loopback| {
+            PortForward::start(id, loopback, vm.agent_socket().to_path_buf())
+                .map_err(|e| log::warn!("sandbox {id}: port-forward is unavailable: {e}"))
+                .ok()
+        });
         Ok(Sandbox {
             id: id.to_string(),
             state,
@@ -170,6 +183,7 @@ impl Sandbox {
             info,
             devices: host.devices,
             app_started: Default::default(),
+            port_forward,
         })
     }
 }
@@ -182,6 +196,8 @@ struct HostSide {
     guest: GuestSpec,
     /// The guest side of the pod network (step 11), when the pod has one.
     network_request: Option<agent_protocol::agent::ConfigureNetworkRequest>,
+    /// The pod netns's loopback, for port-forward (step 13).
+    loopback: Option<LoopbackListener>,
 }
 
 impl HostSide {
@@ -201,9 +217,10 @@ impl HostSide {
         // 4. The host cgroup, before anything that spawns a process or thread for the pod.
         let cgroup = host_cgroup(id, config, req, size, state)?;
         // 5. The network, in the pod netns containerd ran CNI in.
-        let (nics, network_request) = match crate::oci::network_namespace(req.spec) {
+        let (nics, network_request, loopback) = match crate::oci::network_namespace(req.spec) {
             Some(netns) => {
                 let n = network::setup(&netns, &state.network_record()).await?;
+                let loopback = catch_loopback(id, netns.clone()).await;
                 let request = network::configure_network_request(n.guest_interfaces());
                 let nics = n.nics.into_iter().map(|nic| GuestNic {
                     mac: nic.guest.mac.0,
@@ -211,9 +228,9 @@ impl HostSide {
                     mtu: u16::try_from(nic.guest.mtu).unwrap_or(u16::MAX),
                     tap: Arc::new(nic.tap.into_owned_fd()),
                 });
-                (nics.collect(), Some(request))
+                (nics.collect(), Some(request), loopback)
             }
-            None => (Vec::new(), None),
+            None => (Vec::new(), None, None),
         };
         // 6. Storage: the shared folder.
         let share = Arc::new(storage::PodShare::create(state)?);
@@ -309,8 +326,21 @@ impl HostSide {
             devices: device_table,
             guest,
             network_request,
+            loopback,
         })
     }
+}
+
+/// Step 5's loopback for port-forward, off the async threads; a host that cannot (no BPF
+/// sk_lookup) gets a warn line naming why, and the pod runs without port-forward.
+async fn catch_loopback(id: &str, netns: std::path::PathBuf) -> Option<LoopbackListener> {
+    let caught = tokio::task::spawn_blocking(move || network::loopback::catch_loopback(&netns))
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r.map_err(|e| e.to_string()));
+    caught
+        .map_err(|e| log::warn!("sandbox {id}: port-forward is unavailable: {e}"))
+        .ok()
 }
 
 /// Steps 10 to 12, on the VM that reported ready: the agent connected and checked, the guest's

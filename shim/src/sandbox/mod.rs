@@ -5,6 +5,8 @@
 //! - [`container`]: an app container added to the VM (files shared, spec rewritten, created in
 //!   the agent, stdio attached) with its rollback, and removed again;
 //! - teardown ([`Sandbox::teardown`]): the VM stopped, the state directory cleaned up;
+//! - [`port_forward`]: containerd's PortForward, caught on the pod netns's loopback, carried
+//!   to the same port in the guest;
 //! - [`pod_config`]: a pod created through containerd 2.x's Sandbox API (no spec: its CRI
 //!   `PodSandboxConfig`) as the spec and annotations the boot reads;
 //! - [`reclaim`]: a pod whose shim died, reclaimed from its state directory (by `<shim> delete`
@@ -17,6 +19,7 @@
 pub mod boot;
 pub mod container;
 pub mod pod_config;
+pub mod port_forward;
 pub mod reclaim;
 pub mod spec;
 
@@ -113,6 +116,8 @@ pub struct Sandbox {
     /// Whether an app container of the pod has started (the late page sharing pass runs once,
     /// after the first).
     app_started: std::sync::atomic::AtomicBool,
+    /// Port-forward into the guest, when the host could catch the pod netns's loopback.
+    port_forward: Option<port_forward::PortForward>,
 }
 
 impl Sandbox {
@@ -202,6 +207,9 @@ impl Sandbox {
     pub async fn teardown(&self, status: u32) -> VmEnd {
         if !self.has_ended() {
             self.vm.stop(status);
+        }
+        if let Some(forward) = &self.port_forward {
+            forward.stop();
         }
         let end = self.vm.wait().await;
         match release_host_resources(&self.state).await {

@@ -27,8 +27,10 @@
 //! netlink-packet-route messages the agent uses; no `ip`/`tc` binaries are run.
 
 mod discover;
+pub mod loopback;
 mod netns;
 mod record;
+pub mod sk_lookup;
 mod tap;
 // The page sharing capture VM opens an inert tap of its own (shim/src/vm/thread.rs).
 pub(crate) use tap::open_tap;
