@@ -7,7 +7,7 @@ export MICROVM_CACHE
 CARGO ?= cargo
 BUILD := $(CURDIR)/build
 
-.PHONY: all deps kernel initrd initrd-hostile guests build test lint demo bench bench-density fuzz clean
+.PHONY: all deps kernel initrd initrd-hostile guests build test lint demo bench bench-density soak fuzz clean
 
 all: build kernel initrd guests
 
@@ -51,6 +51,11 @@ bench: deps kernel initrd guests build
 BENCH_DENSITY_MAX ?= 500
 bench-density: deps kernel initrd guests build
 	BENCH_DENSITY_MAX=$(BENCH_DENSITY_MAX) scripts/bench.sh
+
+# The long soak (not in CI; make test runs the short one): 1,000 container cycles in one pod and 300
+# pod cycles on each backend, sampled as they go, CSV in build/soak (docs/benchmarks.md, "Soak").
+soak: deps kernel initrd guests build
+	scripts/soak.sh
 
 # Every coverage-guided fuzz target for FUZZ_SECONDS each (docs/fuzzing.md): one line per target
 # with its executions, coverage and crashes. CI runs only the short smoke (scripts/fuzz-smoke.sh).

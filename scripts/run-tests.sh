@@ -60,7 +60,7 @@ status_all=0
 # The tests of Linux guests on the embedded VMM: the plain boot tests, VFIO passthrough and the
 # pod suites (containerd + CRI), by cargo target name. The first two and the page-sharing and
 # VMM-process suites are #[ignore]d in the plain run (counted here, where they run).
-embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent cri_microvm_page_sharing cri_microvm_vmm_process)
+embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent cri_microvm_page_sharing cri_microvm_vmm_process cri_microvm_soak)
 
 # Their test executables, `name=<exe>`, built first (the lane starts on them). Every cargo
 # command here selects the whole workspace (`--workspace`, narrowed with `--test`), never one

@@ -27,6 +27,7 @@ mod reaper;
 mod runtime_log;
 mod server;
 mod service;
+mod share_forget;
 mod stdio;
 mod sysctl;
 mod volumes;
@@ -104,6 +105,7 @@ fn run(pid1: bool) -> anyhow::Result<()> {
     let state_dir =
         PathBuf::from(option(args, "state-dir").unwrap_or_else(|| DEFAULT_STATE_DIR.to_owned()));
     reaper::spawn()?;
+    share_forget::spawn().context("starting the share-forget thread")?;
     #[cfg(feature = "hostile-test-hooks")]
     log::warn!("this agent has HOSTILE TEST HOOKS (guest-agent/src/hostile.rs): tests only");
     let containers = Arc::new(containers::Containers::new(&state_dir));

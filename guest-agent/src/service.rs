@@ -319,6 +319,7 @@ impl Agent for AgentService {
             .remove(&req.container_id)
             .map_err(|e| failed("RemoveContainer", e))?;
         self.oom.forget(&req.container_id);
+        crate::share_forget::removed(&req.container_id);
         log::info!("container {} removed", req.container_id);
         Ok(RemoveContainerResponse::new())
     }

@@ -594,6 +594,11 @@ impl PrivateContainerd {
         cmd
     }
 
+    /// The containerd process's pid, while it runs.
+    pub fn containerd_pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.id() as i32)
+    }
+
     /// Stops (`SIGSTOP`) or continues (`SIGCONT`) containerd: while stopped it runs no
     /// cleanup of its own, so a test sees what the kernel alone does.
     pub fn freeze(&self, frozen: bool) {
