@@ -321,12 +321,12 @@ async fn container_cycle(
             "while [ ! -e /tmp/done ]; do sleep 0.05; done; echo done",
         ],
     );
-    config.tty = i % 2 == 0;
+    config.tty = i.is_multiple_of(2);
     config.stdin = true;
     config.mounts = vec![Mount {
         container_path: "/vol".into(),
         host_path: volume.display().to_string(),
-        readonly: i % 3 == 0,
+        readonly: i.is_multiple_of(3),
         ..Default::default()
     }];
     let id = started(ctrd, cri, pod, config).await;
