@@ -201,6 +201,86 @@ async fn after_kill_9_of_the_shim_containerd_cleanup_leaves_nothing_and_the_pod_
     remove_pod(&ctrd, &cri, &again).await;
 }
 
+/// The VM's death under a running container: its host process killed (QEMU on the QEMU
+/// backend, the VMM's own process on the embedded VMM). The pod turns NOTREADY, the running
+/// container EXITED as killed (137) with a warn line naming the VM's end, and removing the pod
+/// leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_vm_dies_under_a_running_container_cri_says_so_and_nothing_is_left() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), None);
+    let (ctrd, cri) = start(&config).await;
+    let pod = run_pod(&ctrd, &cri, "microvm-vm-death").await;
+    let config = microvm_tests::cri::container_config(
+        "sleeper",
+        ctrd.busybox_image(),
+        &["sleep", "1000000"],
+    );
+    let id = cri.create_container(&pod, config).await.unwrap();
+    cri.start_container(&id).await.unwrap();
+
+    let processes = microvm_tests::lifecycle::pod_processes(&ctrd, &pod.id);
+    let vm =
+        processes
+            .iter()
+            .find(|p| p.name.starts_with("qemu-system") || p.is_vmm_process())
+            .unwrap_or_else(|| {
+                // With vmm_process = false (MICROVM_TEST_VMM_PROCESS=0) the VMM is the shim
+                // itself, whose death the kill -9 tests above cover.
+                panic!(
+                "no VM process under the pod's shim (backend {}, VMM process {}): {processes:?}",
+                test_hypervisor(),
+                if vmm_process_off_for_tests() { "off" } else { "on" }
+            )
+            });
+    eprintln!(
+        "killing the pod's VM process {} ({})",
+        vm.pid,
+        vm.memory_name()
+    );
+    // SAFETY: kill(2) of the pod's VM process found above.
+    assert_eq!(unsafe { libc::kill(vm.pid, libc::SIGKILL) }, 0);
+
+    let status = cri
+        .wait_container_exited(&id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\ncontainerd log:\n{}", ctrd.log_tail()));
+    eprintln!(
+        "the container: exit {} reason {:?} message {:?}",
+        status.exit_code, status.reason, status.message
+    );
+    assert_eq!(status.exit_code, 137, "{status:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = cri
+            .pod_sandbox_status(&pod.id, false)
+            .await
+            .ok()
+            .and_then(|s| s.status)
+            .map(|s| s.state)
+            .unwrap_or_default();
+        // SANDBOX_NOTREADY = 1.
+        if state == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pod stays ready after its VM died\ncontainerd log:\n{}",
+            ctrd.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = std::fs::read_to_string(ctrd.dir().join("containerd.log")).unwrap_or_default();
+    let line = log
+        .lines()
+        .find(|l| l.contains(&format!("container {id}: ended with its pod's VM")))
+        .unwrap_or_else(|| panic!("no line for the container:\n{}", ctrd.log_tail()));
+    assert!(line.contains("counted as killed (137)"), "{line}");
+    eprintln!("{line}");
+    remove_pod(&ctrd, &cri, &pod).await;
+}
+
 /// containerd kills `<shim> delete` after its cleanup timeout (5 s by default), which a loaded
 /// host can exceed. Here it is 50 ms: the pod of a killed shim is reclaimed all the same, by
 /// the reclaim `delete` starts in a process of its own or, if `delete` was killed before it

@@ -36,8 +36,11 @@ use crate::vm::{VmEnd, UNKNOWN_STATUS};
 
 /// Each GetOomEvent long poll to the agent is bounded by this.
 const OOM_POLL: Duration = Duration::from_secs(30);
-/// How long a failed OOM poll waits for the VM's end before it counts as a failure.
-const OOM_WATCH_END_GRACE: Duration = Duration::from_secs(3);
+/// How long a failed agent call (an OOM poll, a process wait) waits for the VM's end before
+/// it counts as a failure.
+const VM_END_GRACE: Duration = Duration::from_secs(3);
+/// The exit status of a process its pod's VM took with it: killed (128 + SIGKILL).
+const KILLED_WITH_VM: u32 = 137;
 /// Each WaitProcess call to the agent is bounded by this; the wait is renewed until the exit.
 const WAIT_SLICE: Duration = Duration::from_secs(3600);
 /// How long an exit report waits for the process's output to reach containerd.
@@ -175,14 +178,29 @@ pub fn watch_process_exit(
                 Ok((status, _)) => break status,
                 Err(e) if e.is_timeout() => continue,
                 Err(e) => {
-                    // The agent's connection ends with the VM: a VM the host's OOM killer
-                    // ended takes the process with it as killed (137), told as such (the
-                    // container's init only: TaskOOM is a container's).
-                    if ended_by_host_oom(&pod).await {
-                        if exec_id.is_empty() {
-                            told_host_oom(&events, &pod, &id).await;
+                    // The agent's connection ends with the VM, which takes the process with
+                    // it: counted as killed (137), with the VM's end in a warn line; a VM the
+                    // host's OOM killer ended is told as such (TaskOOM for the container's
+                    // init: TaskOOM is a container's).
+                    if let Some(end) = vm_end(&pod).await {
+                        if pod.host_oom().is_some() {
+                            if exec_id.is_empty() {
+                                told_host_oom(&events, &pod, &id).await;
+                            }
+                        } else {
+                            let what = if exec_id.is_empty() {
+                                format!("container {id}")
+                            } else {
+                                format!("container {id} exec {exec_id}")
+                            };
+                            log::warn!(
+                                "{what}: ended with its pod's VM ({}, VM exit status {}); \
+                                 counted as killed ({KILLED_WITH_VM})",
+                                end.reason,
+                                end.status
+                            );
                         }
-                        break 137;
+                        break KILLED_WITH_VM;
                     }
                     log::warn!("waiting for process {exec_id:?} of container {id}: {e}");
                     break UNKNOWN_STATUS;
@@ -218,12 +236,13 @@ pub fn watch_process_exit(
     });
 }
 
-/// Whether the pod's VM has ended (waiting up to [`OOM_WATCH_END_GRACE`] for it) and the host's
-/// OOM killer ended it.
-async fn ended_by_host_oom(pod: &Sandbox) -> bool {
+/// The pod's VM's end, if it has ended (waiting up to [`VM_END_GRACE`] for it: a lost agent
+/// connection comes first).
+async fn vm_end(pod: &Sandbox) -> Option<VmEnd> {
     let mut ended = pod.ended();
-    let _ = tokio::time::timeout(OOM_WATCH_END_GRACE, ended.wait_for(Option::is_some)).await;
-    pod.has_ended() && pod.host_oom().is_some()
+    let _ = tokio::time::timeout(VM_END_GRACE, ended.wait_for(Option::is_some)).await;
+    let end = ended.borrow().clone();
+    end
 }
 
 /// After the host's SIGKILL of a process (`id` = the container's id for its init, else the
@@ -364,10 +383,9 @@ pub fn watch_oom(
                     // The agent's connection ends with the VM: a stopping pod is no failure.
                     // Give the VM's end a moment to be seen before calling it one.
                     let mut ending = ended.clone();
-                    let seen =
-                        tokio::time::timeout(OOM_WATCH_END_GRACE, ending.wait_for(Option::is_some))
-                            .await
-                            .is_ok();
+                    let seen = tokio::time::timeout(VM_END_GRACE, ending.wait_for(Option::is_some))
+                        .await
+                        .is_ok();
                     if seen || ended.borrow().is_some() {
                         log::debug!("OOM watcher: the VM ended ({e})");
                         break;
