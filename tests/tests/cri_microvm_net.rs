@@ -400,7 +400,14 @@ async fn port_forward_reaches_the_pods_loopback_ports() {
     let _serial = SERIAL.lock().await;
     let (_dir, ctrd, cri) = start_net().await;
     let mut pods = Vec::new();
-    for handler in ["runc", "microvm"] {
+    // runc's pod is the reference the same assertions hold for; the QEMU run on the host checks
+    // it, the lane's run (slow, under nested emulation) only our pod.
+    let handlers: &[&str] = if test_hypervisor() == "kvm" {
+        &["microvm"]
+    } else {
+        &["runc", "microvm"]
+    };
+    for &handler in handlers {
         let name = format!("net-pf-{handler}");
         let (pod, httpd) =
             pod_serving(&ctrd, &cri, &name, handler, PodExtras::default(), 256).await;

@@ -366,6 +366,10 @@ async fn container_cycle(
 async fn a_pod_lives_through_container_cycles_without_growth() {
     let _serial = SERIAL.lock().await;
     let n = cycles("MICROVM_SOAK_CONTAINER_CYCLES", 15);
+    assert!(
+        n >= 5,
+        "MICROVM_SOAK_CONTAINER_CYCLES={n}: at least 5 (a warm-up of 3, then 2)"
+    );
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), None);
     let (ctrd, cri) = start(&config).await;
@@ -440,6 +444,7 @@ async fn a_pod_lives_through_container_cycles_without_growth() {
 async fn pods_come_and_go_and_leave_nothing() {
     let _serial = SERIAL.lock().await;
     let n = cycles("MICROVM_SOAK_POD_CYCLES", 4);
+    assert!(n >= 2, "MICROVM_SOAK_POD_CYCLES={n}: at least 2");
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), None);
     let (ctrd, cri) = start(&config).await;
