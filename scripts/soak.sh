@@ -46,7 +46,12 @@ case $check in
     ;;
   *) echo "soak: check-host failed (exit $check)" >&2; exit 1 ;;
 esac
-echo "== samples in $MICROVM_SOAK_OUT: $(cd "$MICROVM_SOAK_OUT" && ls | tr '\n' ' ')"
+echo "== samples in $MICROVM_SOAK_OUT:" "$MICROVM_SOAK_OUT"/*.csv
+if python3 -c 'import matplotlib' 2>/dev/null; then
+  python3 scripts/soak-plot.py "$MICROVM_SOAK_OUT"/container-cycles-*.csv
+else
+  echo "== no matplotlib: for the curves, pip install matplotlib; scripts/soak-plot.py $MICROVM_SOAK_OUT/container-cycles-*.csv"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "soak: FAILED: ${failed[*]}" >&2
   exit 1
