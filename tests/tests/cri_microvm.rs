@@ -4,7 +4,8 @@
 //! QEMU and vhost-device-vsock (scripts/install-deps.sh), and `make kernel initrd`.
 //!
 //! After each pod: no shim, QEMU, vhost-device-vsock or virtiofsd process, no state directory
-//! (/run/microvm/<pod-id>), no mount under it and no shim socket remain.
+//! (/run/microvm/<pod-id>), no mount under it and no shim socket remain; also after kill -9 of
+//! the shim and after the VM's death under a running container.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,

@@ -1,9 +1,10 @@
 //! The pod network of `microvm` pods through CRI on a private containerd whose CNI chain is a
 //! dual-stack bridge with MTU 1400, portmap and bandwidth (Debian's CNI plugins): the pod's IP
 //! answers from the host, pods reach each other (microvm and runc), containers of a pod share
-//! loopback, hostPort and the bandwidth annotations work, the guest has the MTU, addresses, MAC and
-//! DNS config CNI and the pod spec gave, and nothing of ours is left in the pod's netns, also
-//! after kill -9 of the shim. The backend is `MICROVM_TEST_HYPERVISOR` (QEMU by default; `make
+//! loopback, hostPort and the bandwidth annotations work, CRI PortForward reaches ports on the
+//! guest's loopback (kubectl port-forward), the guest has the MTU, addresses, MAC and DNS config
+//! CNI and the pod spec gave, and nothing of ours is left in the pod's netns, also after kill -9
+//! of the shim. The backend is `MICROVM_TEST_HYPERVISOR` (QEMU by default; `make
 //! test` runs the suite again on the embedded VMM where it can: docs/nested-lane.md).
 //!
 //! Needs root, containerd, the CNI plugins, iptables (portmap), QEMU and vhost-device-vsock
