@@ -701,6 +701,17 @@ pub fn agent_handshake() -> Vec<Vec<u8>> {
     ]
 }
 
+/// agent_forward: the agent's answers with stream bytes after them, and garbage.
+pub fn agent_forward() -> Vec<Vec<u8>> {
+    vec![
+        b"ok\nHTTP/1.0 200 OK\r\n\r\nhello".to_vec(),
+        b"error nothing accepts on port 8080\n".to_vec(),
+        b"error \x1b[2J\n".to_vec(),
+        b"OK\n".to_vec(),
+        vec![b'x'; 300],
+    ]
+}
+
 /// ready_line: the agent's line, and what else a guest may say.
 pub fn ready_line() -> Vec<Vec<u8>> {
     vec![

@@ -33,6 +33,11 @@ pub enum LoopbackError {
     Listen { path: PathBuf, source: io::Error },
     #[error("a thread for pod netns {path}: {source}")]
     Thread { path: PathBuf, source: io::Error },
+    #[error(
+        "pod netns {0} is the shim's own network namespace: its loopback is the host's, never \
+         caught"
+    )]
+    HostNetns(PathBuf),
     #[error("pod netns {path}: {source} (the host's kernel needs BPF sk_lookup, Linux 5.9+)")]
     Redirect {
         path: PathBuf,
@@ -64,6 +69,12 @@ pub fn catch_loopback(netns: &Path) -> Result<LoopbackListener, LoopbackError> {
         path: path.clone(),
         source,
     })?;
+    // Never the host's own loopback: that would take every TCP connection to 127.0.0.1 on the
+    // node. (A hostNetwork pod is refused before this; a netns path that names the host's
+    // namespace anyway is refused here.)
+    if same_file(&ns, Path::new("/proc/thread-self/ns/net")) {
+        return Err(LoopbackError::HostNetns(path));
+    }
     let ns_for_thread = ns.try_clone().map_err(|source| LoopbackError::NetnsOpen {
         path: path.clone(),
         source,
@@ -86,6 +97,15 @@ pub fn catch_loopback(netns: &Path) -> Result<LoopbackListener, LoopbackError> {
     Ok(LoopbackListener { listener, redirect })
 }
 
+/// Whether `file` and the file at `other` are the same inode (an unreadable `other`: not).
+fn same_file(file: &File, other: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(other)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
 /// On a thread of its own (setns changes only the calling thread, which ends right after):
 /// the socket is created inside the netns and stays there.
 fn listen_in(ns: &File, path: &Path) -> Result<TcpListener, LoopbackError> {
@@ -104,4 +124,18 @@ fn listen_in(ns: &File, path: &Path) -> Result<TcpListener, LoopbackError> {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(listen_err)?;
     listener.set_nonblocking(true).map_err(listen_err)?;
     Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hosts_own_netns_is_never_caught() {
+        for path in ["/proc/self/ns/net", "/proc/thread-self/ns/net"] {
+            let err = catch_loopback(Path::new(path)).expect_err("the host's netns");
+            assert!(matches!(err, LoopbackError::HostNetns(_)), "{path}: {err}");
+            assert!(err.to_string().contains("never caught"), "{err}");
+        }
+    }
 }
