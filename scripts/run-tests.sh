@@ -158,10 +158,10 @@ elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
     # tests when both want the CPU (nice -5; root, as the lane needs anyway), so that it keeps one
     # core to itself while the host's tests and builds share the other.
     renice -n -5 -p "$BASHPID" >/dev/null 2>&1 || true
-    # The soak's short version is shorter still in the lane (a cycle there takes ~10 s): 10
-    # container cycles (the bounds compare 6 after the warm-up: a leak of one fd a cycle shows)
-    # and 2 pod cycles (every suite's pods are checked for leftovers besides).
-    MICROVM_SOAK_CONTAINER_CYCLES=${MICROVM_SOAK_CONTAINER_CYCLES:-10} \
+    # The soak's short version is shorter still in the lane (a cycle there takes ~10 s): 8
+    # container cycles (the bounds compare the 5 after the warm-up: a leak of one fd a cycle
+    # shows) and 2 pod cycles (every suite's pods are checked for leftovers besides).
+    MICROVM_SOAK_CONTAINER_CYCLES=${MICROVM_SOAK_CONTAINER_CYCLES:-8} \
       MICROVM_SOAK_POD_CYCLES=${MICROVM_SOAK_POD_CYCLES:-2} \
       MICROVM_BIN_DIR=$lane_bin scripts/lane/run-lane.sh "${exes[@]}"
     status=$?
