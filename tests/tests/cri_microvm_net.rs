@@ -154,17 +154,7 @@ fn try_http_get(addr: SocketAddr, path: &str) -> Result<Vec<u8>, String> {
     write!(s, "GET {path} HTTP/1.0\r\nHost: pod\r\n\r\n").map_err(|e| e.to_string())?;
     let mut reply = Vec::new();
     s.read_to_end(&mut reply).map_err(|e| e.to_string())?;
-    let split = reply
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| format!("not an HTTP reply: {:?}", String::from_utf8_lossy(&reply)))?;
-    if !reply.starts_with(b"HTTP/1.0 200") && !reply.starts_with(b"HTTP/1.1 200") {
-        return Err(format!(
-            "HTTP status {:?}",
-            String::from_utf8_lossy(&reply[..split.min(40)])
-        ));
-    }
-    Ok(reply[split + 4..].to_vec())
+    http_body(&reply)
 }
 
 async fn http_get_async(addr: SocketAddr, path: &str) -> Result<Vec<u8>, String> {
