@@ -30,6 +30,8 @@ stale_before=$( (ls -A /run/microvm 2>/dev/null | sed 's|^|state directory /run/
 results=$(mktemp)
 embedded=$(mktemp)
 side_log=$(mktemp)
+# Created when the host's own tests are done: the nested lane may take the second core then.
+host_done=$results.host-done
 lane_pid=
 side_pid=
 progress_pid=
@@ -51,7 +53,7 @@ finish() {
   fi
   if [ -n "$side_pid" ]; then kill_tree "$side_pid"; fi
   if [ -n "$progress_pid" ]; then kill_tree "$progress_pid"; fi
-  rm -f "$results" "$embedded" "$side_log"
+  rm -f "$results" "$embedded" "$side_log" "$host_done"
 }
 trap finish EXIT
 trap 'exit 143' TERM INT
@@ -62,17 +64,21 @@ status_all=0
 # VMM-process suites are #[ignore]d in the plain run (counted here, where they run).
 embedded_targets=(kvm_linux_guest kvm_vfio_passthrough cri_microvm cri_microvm_exec cri_microvm_net cri_microvm_cgroup cri_microvm_devices cri_microvm_privileged cri_microvm_sandbox_api cri_microvm_fs_policy cri_microvm_share_attack cri_microvm_hostile_agent cri_microvm_page_sharing cri_microvm_vmm_process cri_microvm_soak)
 
-# Their test executables, `name=<exe>`, built first (the lane starts on them). Every cargo
-# command here selects the whole workspace (`--workspace`, narrowed with `--test`), never one
-# package: features are resolved over the selected packages, and `-p microvm-tests` would build
-# these binaries a second time with other features.
+# Their test executables, `name=<exe>`, built first with the workspace's binaries (the lane
+# starts on them). Every cargo command here selects the whole workspace (`--workspace`, narrowed
+# with `--test`), never one package, and builds at least one test target: features are resolved
+# over the selected packages, and a test target turns on the dev-dependencies' features
+# (virtio-queue's test-utils, getrandom's std through proptest), which change the crates below
+# them. So the binaries are built here, with the tests' features, and not by `make build` before
+# (without them): the later `cargo test --no-run --workspace` builds only what is new (the unit
+# tests), instead of the shim, VMM, device and CRI crates a second time.
 executables() {
-  cargo test --release --no-run --message-format=json --workspace \
+  cargo build --release --message-format=json --workspace --bins \
     $(printf -- '--test %s ' "${embedded_targets[@]}") |
     jq -r 'select(.reason == "compiler-artifact" and .target.kind == ["test"] and .executable != null)
            | "\(.target.name)=\(.executable)"'
 }
-echo "== building the tests of the embedded VMM (at $(elapsed))"
+echo "== building the binaries and the tests of the embedded VMM (at $(elapsed))"
 mapfile -t all_exes < <(executables)
 # They again, one a line (none when none built).
 listed_exes() { [ ${#all_exes[@]} -eq 0 ] || printf '%s\n' "${all_exes[@]}"; }
@@ -161,9 +167,11 @@ elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
     # The soak's short version is shorter still in the lane (a cycle there takes ~10 s): 8
     # container cycles (the bounds compare the 5 after the warm-up: a leak of one fd a cycle
     # shows) and 2 pod cycles (every suite's pods are checked for leftovers besides).
+    # A second L1 joins the first on what is still queued once the host's own tests are done
+    # (below: $host_done), so that neither core idles while the lane has work left.
     MICROVM_SOAK_CONTAINER_CYCLES=${MICROVM_SOAK_CONTAINER_CYCLES:-8} \
       MICROVM_SOAK_POD_CYCLES=${MICROVM_SOAK_POD_CYCLES:-2} \
-      MICROVM_BIN_DIR=$lane_bin scripts/lane/run-lane.sh "${exes[@]}"
+      MICROVM_BIN_DIR=$lane_bin scripts/lane/run-lane.sh --second-l1-when "$host_done" "${exes[@]}"
     status=$?
     echo "== the nested lane ended (at $(elapsed))"
     exit $status
@@ -175,7 +183,7 @@ elif [ $check -eq 2 ] && [ "${MICROVM_LANE:-on}" != off ]; then
   # so that a run cut short (CI's time limit) still shows how far the lane got.
   (
     tail -n +1 -F "$embedded" 2>/dev/null |
-      grep --line-buffered -E '^(== [a-z0-9_]+ on the embedded vmm|test result:|RETRY|lane: |run-in-l1: L1 )' |
+      grep --line-buffered -E '^(L1 #[0-9]+: )?(== [a-z0-9_]+ on the embedded vmm|test result:|RETRY|lane: |run-in-l1: L1 )' |
       while IFS= read -r line; do echo "[lane at $(elapsed)] $line"; done
   ) &
   progress_pid=$!
@@ -273,6 +281,7 @@ fi
 
 if [ -n "$lane_pid" ]; then
   echo "== waiting for the nested lane (at $(elapsed))"
+  touch "$host_done"
   wait "$lane_pid" || status_all=1
   lane_pid=
   sleep 1
@@ -331,7 +340,8 @@ report_left "pod state" "no pod state directories, mounts or shim sockets left b
 # embedded VMM (or skipped with the reason above); tests of work not finished yet say why in
 # their #[ignore] reason, printed by cargo above. An embedded-VMM run that ended before all its
 # tests reported (L1 crashed or timed out) counts the missing ones as failed.
-sum() { local what=$1; shift; sed -n "s/^test result: .* \([0-9][0-9]*\) $what.*/\1/p" "$@" | paste -sd+ | bc; }
+# (The lane's second L1 prefixes its lines with `L1 #2: `.)
+sum() { local what=$1; shift; sed -n "s/^\(L1 #[0-9]*: \)\{0,1\}test result: .* \([0-9][0-9]*\) $what.*/\2/p" "$@" | paste -sd+ | bc; }
 passed=$(( $(sum passed "$results") + 0 ))
 failed=$(( $(sum failed "$results") + 0 ))
 ignored=$(( $(sum ignored "$results") + 0 ))

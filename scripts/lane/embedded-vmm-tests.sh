@@ -5,11 +5,16 @@
 # run-tests.sh), by their cargo target name first: `kvm_linux_guest=<exe> cri_microvm=<exe> ...`;
 # `name=<exe>@<dir>` runs a pod suite against the containerd in <dir> (MICROVM_TEST_CONTAINERD_BIN,
 # e.g. the 1.7 or 2.1 that scripts/install-containerd.sh unpacked) instead of the system's.
+# `--queue DIR` takes them from a queue instead, one after the other until it is empty: DIR/todo
+# holds one file a binary (its argument as above), taken in the order of their names by moving it
+# to DIR/taken (a rename: of two L1s reaching for the same file, one gets it;
+# scripts/lane/run-lane.sh fills the queue and runs two L1s on it once the host has a core free).
 # Every test binary runs even when one before it failed; the exit status is non-zero if any did.
 # The `test result:` lines are what run-tests.sh counts. `--limit NAME` prints the bound (seconds)
-# the binary NAME runs under, for scripts/lane/run-lane.sh's bound of its L1.
+# the binary NAME runs under, for scripts/lane/run-lane.sh's bound of its L1; `--expected NAME`
+# what it takes in a CI lane (seconds), the order in which run-lane.sh queues them.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 # shellcheck source=SCRIPTDIR/../lib.sh
 . scripts/lib.sh
 
@@ -25,9 +30,29 @@ limit_of() {
     *) echo 900 ;;
   esac
 }
-if [ "${1:-}" = --limit ]; then
-  limit_of "${2:?--limit NAME}"
-  exit 0
+# What each takes in a CI lane (one L1 beside the host's tests, 2026-11-28): run-lane.sh queues
+# the longest first, so that the short ones are left for the end, when a second L1 shares them.
+expected_of() {
+  case "$1" in
+    cri_microvm) echo 700 ;;
+    cri_microvm_net|cri_microvm_share_attack) echo 400 ;;
+    cri_microvm_cgroup|cri_microvm_exec) echo 350 ;;
+    cri_microvm_soak) echo 250 ;;
+    cri_microvm_privileged|cri_microvm_hostile_agent) echo 200 ;;
+    kvm_linux_guest|cri_microvm_devices|cri_microvm_fs_policy) echo 150 ;;
+    cri_microvm_page_sharing|cri_microvm_sandbox_api) echo 100 ;;
+    cri_microvm_vmm_process) echo 40 ;;
+    *) echo 20 ;;
+  esac
+}
+case "${1:-}" in
+  --limit) limit_of "${2:?--limit NAME}"; exit 0 ;;
+  --expected) expected_of "${2:?--expected NAME}"; exit 0 ;;
+esac
+queue=
+if [ "${1:-}" = --queue ]; then
+  queue=${2:?--queue DIR}
+  shift 2
 fi
 
 microvm=${MICROVM_BIN_DIR:?MICROVM_BIN_DIR must name the folder of the built binaries}/microvm
@@ -60,8 +85,10 @@ run_bounded() {
   wait "$pid"
 }
 
+# run_one NAME=EXE[@DIR]: one test binary, bounded; sets failed=1 when it did not pass.
 failed=0
-for arg in "$@"; do
+run_one() {
+  local arg=$1 name exe containerd limit args env bound status
   name=${arg%%=*}
   exe=${arg#*=}
   containerd=()
@@ -119,5 +146,23 @@ for arg in "$@"; do
   # test that hangs for our reasons must not be retried into a pass). Only a stuck L1, which the
   # host sees and this script never does, is retried (scripts/lane/run-lane.sh).
   [ $status -eq 0 ] || failed=1
-done
+}
+
+# take_next: the next binary's argument from the queue, moved to DIR/taken; fails when it is empty.
+take_next() {
+  local f
+  for f in "$queue"/todo/*; do
+    if [ -e "$f" ] && mv "$f" "$queue/taken/" 2>/dev/null; then
+      cat "$queue/taken/${f##*/}"
+      return 0
+    fi
+  done
+  return 1
+}
+
+if [ -n "$queue" ]; then
+  while arg=$(take_next); do run_one "$arg"; done
+else
+  for arg in "$@"; do run_one "$arg"; done
+fi
 exit $failed

@@ -144,7 +144,13 @@ dump_l1() {
   fi
   sleep 3
   # Without the monitor's echo of the commands (escape sequences) and the FPU/vector registers.
-  sed 's/\r//g' "$lane/monitor.log" | grep -av -e $'\e' -e '^(qemu)' -e '^[YX]MM' -e '^FPR' -e '^DR[0-7]' >&2
+  # A QEMU whose monitor does not answer (its main loop hung, or the process stopped) leaves the
+  # log empty: grep finds nothing, which must not end the watch (set -e).
+  if [ -s "$lane/monitor.log" ]; then
+    sed 's/\r//g' "$lane/monitor.log" | grep -av -e $'\e' -e '^(qemu)' -e '^[YX]MM' -e '^FPR' -e '^DR[0-7]' >&2 || true
+  else
+    log "QEMU's monitor did not answer"
+  fi
 }
 
 # The watch. Stage 2 writes a heartbeat into the lane share every 5 s from a shell loop in L1's

@@ -2,13 +2,18 @@
 # Runs the embedded-VMM test binaries in the nested lane (docs/nested-lane.md), as
 # scripts/run-tests.sh does where this host's KVM cannot boot our guest:
 #
-#   scripts/lane/run-lane.sh [--events FILE] name=<exe>[@<containerd bin dir>] ...
+#   scripts/lane/run-lane.sh [--events FILE] [--second-l1-when FILE] name=<exe>[@<containerd bin dir>] ...
 #
-# All of them in one L1 (scripts/lane/run-in-l1.sh --vfio running
-# scripts/lane/embedded-vmm-tests.sh), one after the other, each under its own bound inside L1
-# and L1 under the sum of their bounds plus its boot: one boot and check-host instead of one a
-# binary (15-30 s each on an idle host, a minute on a busy one). MICROVM_LANE_L1=each gives each
-# binary an L1 of its own instead (each under its own bound plus a boot).
+# The binaries go into a queue, the longest first (embedded-vmm-tests.sh --expected), and an L1
+# (scripts/lane/run-in-l1.sh --vfio running scripts/lane/embedded-vmm-tests.sh --queue) takes
+# them one after the other, each under its own bound inside L1 and L1 under the sum of their
+# bounds plus its boot: one boot and check-host for many binaries (15-30 s each on an idle host,
+# a minute on a busy one). With --second-l1-when FILE, a second L1 joins on the same queue once
+# FILE exists (run-tests.sh creates it when the host's own tests are done and leave a core idle),
+# if anything is still queued: L1 is one TCG vCPU, one core, so one L1 leaves the other core idle
+# once the host's tests end. Each L1's binaries run one at a time; two L1s take turns on the
+# queue. Their output streams through as it runs, line by line, the second's lines prefixed
+# `L1 #2: `.
 #
 # L1 sees this host's files through a page-cached 9p mount (scripts/lane/l1-init): a binary
 # replaced on the host while L1 runs reads there as a mix of old and new pages, and a shim
@@ -16,31 +21,46 @@
 # scripts/run-tests.sh hands it a copy of the binaries (MICROVM_BIN_DIR).
 #
 # When an L1 does not get to the end (it got stuck: frozen or stalled, its heartbeat stopped
-# and run-in-l1.sh killed it, exit 75; or it crashed or reached its bound), the binaries it had
-# not begun run in a fresh L1, said with a RETRY line. The binary it was running when it got
-# stuck runs there again too, once: a stuck L1 is L1's failure, not the binary's. A binary that
-# was running when L1 crashed or timed out is not run again, nor is one whose tests failed or
-# that reached its own bound in a live L1: they count as they ran (their unreported tests as
-# failed, in run-tests.sh). At most MICROVM_LANE_RETRIES (default 3) fresh L1s after the first.
-# Output: each binary's, as it runs, then the line `lane: N L1 boots, M freezes, S stalls,
+# and run-in-l1.sh killed it, exit 75; or it crashed or reached its bound), what is still queued
+# runs in a fresh L1, said with a RETRY line. The binary it was running when it got stuck goes
+# back into the queue too, once: a stuck L1 is L1's failure, not the binary's. A binary that was
+# running when L1 crashed or timed out is not run again, nor is one whose tests failed or that
+# reached its own bound in a live L1: they count as they ran (their unreported tests as failed,
+# in run-tests.sh). At most MICROVM_LANE_RETRIES (default 3) fresh L1s after the first, for each
+# of the two. Output: each binary's, then the line `lane: N L1 boots, M freezes, S stalls,
 # K retries`. --events FILE appends run-in-l1's events (boot, frozen, stalled, ...: see
 # run-in-l1.sh) and `retry` lines there.
 # Exit status: 0 when every binary passed, 1 otherwise.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 events=
-if [ "${1:-}" = --events ]; then
-  events=$2
-  shift 2
-fi
+second_when=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --events) events=$2; shift 2 ;;
+    --second-l1-when) second_when=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
 own_events=
 if [ -z "$events" ]; then
   events=$(mktemp)
   own_events=$events
 fi
-output=$(mktemp)
-trap 'rm -f "$output" $own_events' EXIT
-retries_left=${MICROVM_LANE_RETRIES:-3}
+# The queue, shared read-write with each L1 at the same path (run-in-l1.sh --writable).
+queue=$(mktemp -d /tmp/microvm-lane-queue.XXXXXX)
+trap 'rm -rf "$queue" $own_events' EXIT
+mkdir "$queue/todo" "$queue/taken" "$queue/stuck-once"
+: >"$queue/results"
+i=0
+for arg in "$@"; do
+  name=${arg%%=*}
+  printf '%s %s\n' "$("$here/embedded-vmm-tests.sh" --expected "$name")" "$arg"
+done | sort -rn -s -k1,1 | while read -r _ arg; do
+  i=$(( i + 1 ))
+  printf '%s\n' "$arg" >"$queue/todo/$(printf '%02d' "$i")-${arg%%=*}"
+done
+queued() { [ -n "$(ls -A "$queue/todo")" ]; }
 
 # outcomes FILE: a line `NAME ok|FAILED|begun` for each binary FILE shows began
 # (embedded-vmm-tests.sh's `== NAME on the embedded vmm` header), with its `test result:` if it
@@ -54,66 +74,71 @@ outcomes() {
   ' "$1"
 }
 
-declare -A result=()
-declare -A stuck_once=()
-# run_in_l1s BINARY...: the binaries in one L1, and what it left undone in fresh ones.
-run_in_l1s() {
-  local pending=("$@") arg name timeout status again cut
-  while [ ${#pending[@]} -gt 0 ]; do
-    # Each binary's own bound, L1's boot (10-40 s), and stage 2's dump before the host's kill.
+# run_l1s K: L1s on the queue until it is empty: the first, and fresh ones for what a stuck or
+# crashed one left (L1 #K; the second's lines prefixed `L1 #2: `).
+run_l1s() {
+  local k=$1 chunk=$queue/chunk.$1 retries_left=${MICROVM_LANE_RETRIES:-3} timeout f name state status cut l1
+  local prefix=
+  [ "$k" -eq 1 ] || prefix="L1 #$k: "
+  while queued; do
+    # Each queued binary's own bound, L1's boot (10-40 s), and stage 2's dump before the host's kill.
     timeout=240
-    for arg in "${pending[@]}"; do
-      timeout=$(( timeout + $("$here/embedded-vmm-tests.sh" --limit "${arg%%=*}") ))
+    for f in "$queue"/todo/*; do
+      timeout=$(( timeout + $("$here/embedded-vmm-tests.sh" --limit "${f##*/[0-9][0-9]-}") ))
     done
-    "$here/run-in-l1.sh" --vfio --timeout "$timeout" --events "$events" -- \
-      "$here/embedded-vmm-tests.sh" "${pending[@]}" 2>&1 | tee "$output"
-    status=${PIPESTATUS[0]}
-    while read -r name state; do result[$name]=$state; done < <(outcomes "$output")
+    # Its output line by line (a line from the other L1 never lands inside one of its own).
+    "$here/run-in-l1.sh" --vfio --writable "$queue" --timeout "$timeout" --events "$events" -- \
+      "$here/embedded-vmm-tests.sh" --queue "$queue" >"$chunk" 2>&1 &
+    l1=$!
+    tail -n +1 -F --pid="$l1" "$chunk" 2>/dev/null | sed -u "s/^/$prefix/"
+    wait "$l1"
+    status=$?
 
-    # What this L1 left undone: the binary it was in (reported no result) and those it never began.
-    again=()
+    # What each binary it began came to; one it was in when it got stuck goes back, once.
     cut=
-    for arg in "${pending[@]}"; do
-      name=${arg%%=*}
-      case "${result[$name]:-}" in
-        ok|FAILED) ;;
-        begun)
-          # Stuck in L1 while it ran: once more. Otherwise (its bound, a crash): as it ran.
-          if [ "$status" -eq 75 ] && [ -z "${stuck_once[$name]:-}" ]; then
-            stuck_once[$name]=1
-            cut=$name
-            again+=("$arg")
-          fi
-          ;;
-        *) again+=("$arg") ;;
-      esac
-    done
-    [ ${#again[@]} -gt 0 ] || break
-    # A live L1 that got to the end (status 0 or 1) left nothing undone; anything else did.
+    while read -r name state; do
+      echo "$name $state" >>"$queue/results"
+      if [ "$state" = begun ] && [ "$status" -eq 75 ] && [ ! -e "$queue/stuck-once/$name" ]; then
+        touch "$queue/stuck-once/$name"
+        mv "$queue"/taken/[0-9][0-9]-"$name" "$queue/todo/" && cut=$name
+      fi
+    done < <(outcomes "$chunk")
+    # A live L1 that got to the end (status 0 or 1) found the queue empty.
     case "$status" in 0|1) break ;; esac
+    queued || break
     if [ "$retries_left" -le 0 ]; then
-      echo "lane: ${again[*]%%=*} did not run: L1 did not get to the end (exit $status: $(tail -n1 "$events")) and the lane's retries are used up; their tests count as failed"
+      echo "lane: L1 #$k did not get to the end (exit $status: $(tail -n1 "$events")) and its retries are used up"
       break
     fi
-    echo "RETRY: L1 did not get to the end (exit $status: $(tail -n1 "$events"))${cut:+ while $cut ran}; running ${again[*]%%=*} in a fresh L1"
+    echo "RETRY: L1 #$k did not get to the end (exit $status: $(tail -n1 "$events"))${cut:+ while $cut ran}; a fresh L1 takes what is queued"
     echo retry >>"$events"
     retries_left=$(( retries_left - 1 ))
-    pending=("${again[@]}")
   done
 }
 
-if [ "${MICROVM_LANE_L1:-one}" = each ]; then
-  for arg in "$@"; do run_in_l1s "$arg"; done
-else
-  run_in_l1s "$@"
+run_l1s 1 &
+first=$!
+if [ -n "$second_when" ] && [ "$(nproc)" -ge 2 ]; then
+  while kill -0 "$first" 2>/dev/null; do
+    if [ -e "$second_when" ]; then
+      if queued; then
+        echo "lane: a second L1 joins the first on the queue ($(cd "$queue/todo" && printf '%s\n' * | sed 's/^[0-9]*-//' | xargs))"
+        run_l1s 2
+      fi
+      break
+    fi
+    sleep 5
+  done
 fi
+wait "$first"
 
 failed=0
 for arg in "$@"; do
   name=${arg%%=*}
-  if [ "${result[$name]:-}" != ok ]; then
+  state=$(awk -v n="$name" '$1 == n { s = $2 } END { print s }' "$queue/results")
+  if [ "$state" != ok ]; then
     failed=1
-    [ -n "${result[$name]:-}" ] || echo "lane: $name did not run"
+    [ -n "$state" ] || echo "lane: $name did not run"
   fi
 done
 
