@@ -10,7 +10,8 @@
 //! containers come and go (the soak test saw virtiofsd's fds grow by 24 a cycle).
 //!
 //! So the agent looks each removed container's directory up again once the host has removed
-//! it: FUSE revalidates the cached dentry (its entry timeout passed), the host answers ENOENT,
+//! it (and the directory of each volume with propagation no container uses any more, which the
+//! host shares at `.volumes/<key>`, [`crate::volumes`]): FUSE revalidates the cached dentry (its entry timeout passed), the host answers ENOENT,
 //! the kernel invalidates the dentry and prunes the subtree under it, evicting its unused
 //! inodes, and FORGETs them; the host closes their files. A thread does it every
 //! [`INTERVAL`] for the directories still pending, at most [`MAX_PENDING`] of them, each for at
@@ -36,11 +37,20 @@ static PENDING: Mutex<VecDeque<(PathBuf, Instant)>> = Mutex::new(VecDeque::new()
 /// Container `id` was removed: its directory in the share is to be forgotten once the host
 /// removed it.
 pub fn removed(id: &str) {
+    unused(PathBuf::from(GUEST_SHARED_DIR).join(id));
+}
+
+/// Directory `dir` of the share is no longer used: it is to be forgotten once the host removed
+/// it. A path outside the share is none of this module's business.
+pub fn unused(dir: PathBuf) {
+    if !dir.starts_with(GUEST_SHARED_DIR) {
+        return;
+    }
     let mut pending = PENDING.lock().unwrap_or_else(|e| e.into_inner());
     if pending.len() >= MAX_PENDING {
         pending.pop_front();
     }
-    pending.push_back((PathBuf::from(GUEST_SHARED_DIR).join(id), Instant::now()));
+    pending.push_back((dir, Instant::now()));
 }
 
 /// Starts the thread that looks pending directories up again.
@@ -93,6 +103,8 @@ mod tests {
         for i in 0..(MAX_PENDING + 10) {
             removed(&format!("c{i}"));
         }
+        // Only the share's directories are looked up again.
+        unused(PathBuf::from("/etc"));
         let len = PENDING.lock().unwrap().len();
         assert_eq!(len, MAX_PENDING);
         // No share here: every directory is missing, so one round empties the list.

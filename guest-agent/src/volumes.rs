@@ -3,9 +3,9 @@
 //! With runc, the containers of a pod that mount one host volume with propagation see one
 //! another's mounts through the host: a privileged container's mount under a Bidirectional
 //! volume goes to the host source and from there into every HostToContainer mount of it. In the
-//! VM each container's share of the volume is a folder of its own in the shared filesystem
-//! (`<shared>/<cid>/mounts/<n>`), so there is no common mount to propagate through; and no
-//! mount made in the guest may reach the host. So the guest holds one: the shim marks each
+//! VM the volume is a folder of the shared filesystem, whose mount in the guest is no shared
+//! mount the containers' binds could propagate through; and no mount made in the guest may
+//! reach the host. So the guest holds one: the shim marks each
 //! such bind mount with [`VOLUME_KEY_OPTION`] and the volume's key, and here the first
 //! container of a key bind-mounts its share at `<root>/<key>` in the agent's mount namespace
 //! and makes that mount shared; every container of that key then binds its mount from there.
@@ -15,8 +15,14 @@
 //! The point is unmounted (with whatever was mounted under it) when the last container of its
 //! key is removed.
 //!
-//! The point is the first container's share: mounts the host makes later under the volume's
-//! source reach it through the shared filesystem as long as that share is in place on the host.
+//! The point is bound from the first container's source, which the shim makes the pod's one
+//! share of the volume (`.volumes/<key>` in the shared directory, kept on the host while any
+//! container of the pod uses the volume), not a folder of that container's: the mounts made
+//! under the point live on the dentries of that source, and the dentries of a removed
+//! container's folder go (with every mount on them) once the agent looks the folder up again
+//! ([`crate::share_forget`]). Mounts the host makes later under the volume's source reach the
+//! point through the shared filesystem. Once no container uses the point, its source is left to
+//! [`crate::share_forget`] too.
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
@@ -53,6 +59,8 @@ pub enum VolumeError {
 
 struct Point {
     path: PathBuf,
+    /// What it is bound from.
+    source: PathBuf,
     users: HashSet<String>,
 }
 
@@ -118,6 +126,7 @@ impl Volumes {
                         );
                         e.insert(Point {
                             path,
+                            source: PathBuf::from(source),
                             users: HashSet::new(),
                         })
                     }
@@ -151,6 +160,7 @@ fn release_in(points: &mut HashMap<String, Point>, cid: &str) {
             log::warn!("volume {key}: unmounting {}: {e}", p.path.display());
         }
         let _ = std::fs::remove_dir(&p.path);
+        crate::share_forget::unused(std::mem::take(&mut p.source));
         log::info!("volume {key}: no container uses it any more");
         false
     });

@@ -529,8 +529,9 @@ fn volume(container_path: &str, host_path: &str, propagation: MountPropagation) 
 /// container mounts under its Bidirectional volume, and the pod's other container, which has the
 /// same volume HostToContainer, sees the mount (inside the guest: nothing goes to the host). A
 /// mount the host makes under the volume after both started reaches both. The mount the
-/// privileged container made stays for the other container after it is removed, as a
-/// Bidirectional mount stays on the host with runc.
+/// privileged container made stays for the other container after it is removed (also once the
+/// guest has let go of the removed container's files), as a Bidirectional mount stays on the host
+/// with runc; and a mount the host makes under the volume after that still reaches it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_privileged_containers_bidirectional_mounts_reach_the_pods_other_containers() {
     let _serial = SERIAL.lock().await;
@@ -540,6 +541,7 @@ async fn a_privileged_containers_bidirectional_mounts_reach_the_pods_other_conta
     // containerd wants the source of a propagating volume on a shared mount.
     let vol = dir.path().join("vol");
     std::fs::create_dir_all(vol.join("later")).unwrap();
+    std::fs::create_dir_all(vol.join("after-the-plugin")).unwrap();
     std::fs::create_dir_all(vol.join("sub")).unwrap();
     std::fs::write(vol.join("on-the-host"), "host file\n").unwrap();
     let vol_s = vol.display().to_string();
@@ -634,17 +636,54 @@ async fn a_privileged_containers_bidirectional_mounts_reach_the_pods_other_conta
     // The plugin goes; its mount stays for the consumer, whose volume still shows the host's.
     cri.stop_container(&plugin, 0).await.unwrap();
     cri.remove_container(&plugin).await.unwrap();
+    let after_the_plugin = ["cat", "/vol/sub/f", "/vol/on-the-host"];
+    let both = "made-in-the-guest\nhost file\n";
     wait_exec(
         &cri,
         &consumer,
-        &["cat", "/vol/sub/f", "/vol/on-the-host"],
-        "made-in-the-guest\nhost file\n",
+        &after_the_plugin,
+        both,
         "the consumer after the plugin went",
+    )
+    .await;
+    // It stays: also once the guest has let go of the removed plugin's files in the shared
+    // directory (the agent looks a removed container's folder up again every 2 s until the
+    // host has removed it; virtio-fs's entries time out after about a second).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let out = cri
+        .exec_sync(&consumer, &after_the_plugin, 60)
+        .await
+        .unwrap();
+    assert_eq!(
+        (out.exit_code, out.stdout.as_str()),
+        (0, both),
+        "the consumer 8 s after the plugin went: {out:?}"
+    );
+    // And a mount the host makes under the volume after the plugin went still reaches the
+    // consumer.
+    let after = vol.join("after-the-plugin");
+    let after_s = after.display().to_string();
+    host_mount(&[
+        "-t",
+        "tmpfs",
+        "-o",
+        "size=1m",
+        "microvm-test-after",
+        &after_s,
+    ]);
+    std::fs::write(after.join("hello"), "from a host mount after the plugin\n").unwrap();
+    wait_exec(
+        &cri,
+        &consumer,
+        &["cat", "/vol/after-the-plugin/hello"],
+        "from a host mount after the plugin\n",
+        "the host's mount after the plugin went",
     )
     .await;
 
     remove_pod(&ctrd, &cri, &pod).await;
     let _ = Command::new("umount").arg(&later_s).status();
+    let _ = Command::new("umount").arg(&after_s).status();
     assert_eq!(
         host_mounts_under(&vol),
         mounts_before,

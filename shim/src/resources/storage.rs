@@ -18,6 +18,15 @@
 //! that hold them. All of them are `nosuid,nodev` on the host; a read-only volume is read-only
 //! with every mount under it (`mount_setattr(AT_RECURSIVE)`).
 //!
+//! **Volumes with propagation.** A bind with propagation (HostToContainer, Bidirectional) is not
+//! a container's own: the pod shares each such volume once, at [`VOLUMES`]`/<key>` (the key of
+//! [`crate::sandbox::spec::volume_key`]), for as long as any container of the pod uses it. The
+//! guest binds every container's mount of it from one shared mount of that folder (the agent's
+//! `volumes` module), and what a privileged container mounts there lives on dentries under it:
+//! in a container's own folder, they would go when that container goes (the guest drops the
+//! removed container's folder, and with its dentries the mounts on them, in every container),
+//! and the host's later mounts under the volume would stop reaching the others.
+//!
 //! **No path is resolved twice.** Every create, mount and unmount goes through [`host_fs`]:
 //! `openat2` beneath the skeleton's descriptors without symlinks, `O_EXCL` creation, binds cloned
 //! with `open_tree` and attached with `move_mount` to a descriptor, unmounts through a
@@ -25,10 +34,12 @@
 //! `<state>/shared` ([`crate::state::StateDir::cleanup`]), which takes every container's mounts
 //! with it.
 
-use std::ffi::OsString;
+use std::collections::{HashMap, HashSet};
+use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
 use rustix::fs::{fstat, FileType, OFlags};
 use rustix::mount::MountAttrFlags;
@@ -41,7 +52,8 @@ use crate::state::StateDir;
 pub struct ShareBind {
     /// The host source of the spec's mount.
     pub host_source: PathBuf,
-    /// Where under the pod's shared directory it goes.
+    /// Where under the pod's shared directory it goes: `<cid>/mounts/<n>`, or
+    /// [`VOLUMES`]`/<key>` ([`volume_relative`]) for a bind with propagation.
     pub relative: PathBuf,
     /// Whether the spec asks for it read-only.
     pub readonly: bool,
@@ -57,6 +69,16 @@ pub const SKELETON_SIZE: &str = "1m";
 pub const SKELETON_INODES: &str = "16384";
 /// The state directory's entry the skeleton is mounted on.
 const SHARED: &str = "shared";
+/// The skeleton's folder of the pod's volumes with propagation (module doc). No container's
+/// folder: containerd's ids begin with a letter or a digit, and [`container_folder`] refuses it.
+pub const VOLUMES: &str = ".volumes";
+/// The longest volume key (hex digits) a place under [`VOLUMES`] takes.
+const VOLUME_KEY_MAX: usize = 64;
+
+/// Where the pod shares the volume of `key`, under its shared directory.
+pub fn volume_relative(key: &str) -> PathBuf {
+    Path::new(VOLUMES).join(key)
+}
 
 /// One rootfs mount as containerd passes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,7 +102,7 @@ pub enum ShareError {
     Rootfs { path: PathBuf, message: String },
     #[error("container id {0:?} cannot name a folder of the pod's shared directory")]
     BadId(String),
-    #[error("bind mount path {} is not <container id>/mounts/<n>", .0.display())]
+    #[error("bind mount path {} is not <container id>/mounts/<n>, nor {VOLUMES}/<key> for a bind with propagation", .0.display())]
     BadBind(PathBuf),
 }
 
@@ -99,6 +121,16 @@ pub struct PodShare {
     export: OwnedFd,
     /// The root of the detached writable clone: the skeleton is created through it.
     writable: OwnedFd,
+    /// The containers that use each volume shared at [`VOLUMES`]`/<key>`, by key.
+    volumes: Mutex<HashMap<OsString, HashSet<String>>>,
+}
+
+/// Where one bind of a container goes.
+enum Place {
+    /// `<cid>/mounts/<n>`: the container's own.
+    Own(OsString),
+    /// [`VOLUMES`]`/<key>`: the pod's, shared with the volume's other containers.
+    Volume(OsString),
 }
 
 impl PodShare {
@@ -188,6 +220,7 @@ impl PodShare {
             path: path.to_path_buf(),
             export,
             writable,
+            volumes: Mutex::new(HashMap::new()),
         })
     }
 
@@ -226,7 +259,7 @@ impl PodShare {
         // Check every bind's place before anything is made.
         let places = binds
             .iter()
-            .map(|b| bind_place(cid, &b.relative))
+            .map(|b| place_of(cid, b))
             .collect::<Result<Vec<_>, _>>()?;
         let rw = self.writable.as_fd();
         let rootfs_rel = cid_dir.join("rootfs");
@@ -259,23 +292,79 @@ impl PodShare {
             })?;
         }
         for (b, place) in binds.iter().zip(places) {
-            let tree = host_fs::clone_tree(&b.host_source)
-                .map_err(io_err("opening the bind source", &b.host_source))?;
-            let is_dir = fstat(&tree)
-                .map(|st| FileType::from_raw_mode(st.st_mode) == FileType::Directory)
-                .map_err(|e| io_err("inspecting the bind source", &b.host_source)(e.into()))?;
-            let rel = mounts_rel.join(&place);
-            let host = self.path.join(&rel);
-            if is_dir {
-                host_fs::mkdir_beneath(rw, &rel, 0o755).map_err(io_err("creating", &host))?;
-            } else {
-                host_fs::create_file_beneath(rw, &rel, 0o444).map_err(io_err("creating", &host))?;
+            match place {
+                Place::Own(n) => self.bind(b, &mounts_rel.join(n))?,
+                Place::Volume(key) => self.use_volume(cid, &key, b)?,
             }
-            let target = host_fs::open_beneath(self.export.as_fd(), &rel, OFlags::PATH)
-                .map_err(io_err("opening", &host))?;
-            self.attach_bind(tree, &target, &rel, b.readonly, b.from_host)?;
         }
         Ok(())
+    }
+
+    /// Bind-mounts `b`'s host source at `rel` (made for it: a directory or a file, as the
+    /// source is).
+    fn bind(&self, b: &ShareBind, rel: &Path) -> Result<(), ShareError> {
+        let tree = host_fs::clone_tree(&b.host_source)
+            .map_err(io_err("opening the bind source", &b.host_source))?;
+        let is_dir = fstat(&tree)
+            .map(|st| FileType::from_raw_mode(st.st_mode) == FileType::Directory)
+            .map_err(|e| io_err("inspecting the bind source", &b.host_source)(e.into()))?;
+        let rw = self.writable.as_fd();
+        let host = self.path.join(rel);
+        if is_dir {
+            host_fs::mkdir_beneath(rw, rel, 0o755).map_err(io_err("creating", &host))?;
+        } else {
+            host_fs::create_file_beneath(rw, rel, 0o444).map_err(io_err("creating", &host))?;
+        }
+        let target = host_fs::open_beneath(self.export.as_fd(), rel, OFlags::PATH)
+            .map_err(io_err("opening", &host))?;
+        self.attach_bind(tree, &target, rel, b.readonly, b.from_host)
+    }
+
+    fn lock_volumes(&self) -> MutexGuard<'_, HashMap<OsString, HashSet<String>>> {
+        self.volumes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Container `cid` uses the volume of `key`: shared from `b`'s source when it is the
+    /// first. On error the place made for it is removed again.
+    fn use_volume(&self, cid: &str, key: &OsStr, b: &ShareBind) -> Result<(), ShareError> {
+        let mut volumes = self.lock_volumes();
+        if let Some(users) = volumes.get_mut(key) {
+            users.insert(cid.to_string());
+            return Ok(());
+        }
+        let rw = self.writable.as_fd();
+        host_fs::mkdir_beneath(rw, Path::new(VOLUMES), 0o755)
+            .map_err(io_err("creating", self.path.join(VOLUMES)))?;
+        let rel = Path::new(VOLUMES).join(key);
+        if let Err(e) = self.bind(b, &rel) {
+            self.drop_volume(&rel);
+            return Err(e);
+        }
+        volumes.insert(key.to_os_string(), HashSet::from([cid.to_string()]));
+        Ok(())
+    }
+
+    /// Container `cid` no longer uses its volumes: those nobody uses any more are unmounted
+    /// and their places removed.
+    fn release_volumes(&self, cid: &str) {
+        self.lock_volumes().retain(|key, users| {
+            users.remove(cid);
+            if !users.is_empty() {
+                return true;
+            }
+            self.drop_volume(&Path::new(VOLUMES).join(key));
+            false
+        });
+    }
+
+    /// Unmounts the volume shared at `rel` and removes its place (what there is of them).
+    fn drop_volume(&self, rel: &Path) {
+        let host = self.path.join(rel);
+        if let Err(e) = host_fs::unmount_beneath(self.export.as_fd(), rel) {
+            log::warn!("unmounting {}: {e}", host.display());
+        } else if let Err(e) = host_fs::remove_tree_beneath(self.writable.as_fd(), rel) {
+            log::warn!("removing {}: {e}", host.display());
+        }
     }
 
     /// Opens directory `rel` of the exported mount, as a mount target.
@@ -311,10 +400,11 @@ impl PodShare {
         host_fs::attach(tree.as_fd(), target.as_fd()).map_err(io_err("bind-mounting onto", &host))
     }
 
-    /// Unmounts everything of container `cid` in the share and removes its folder. Harmless
-    /// if nothing is there.
+    /// Unmounts everything of container `cid` in the share and removes its folder, and the
+    /// volumes only it still used. Harmless if nothing is there.
     pub fn unshare_container(&self, cid: &str) -> Result<(), ShareError> {
         let cid_dir = container_folder(cid)?;
+        self.release_volumes(cid);
         let rw = self.writable.as_fd();
         let mounts_rel = cid_dir.join("mounts");
         let names: Vec<OsString> = match host_fs::list_beneath(rw, &mounts_rel) {
@@ -335,9 +425,10 @@ impl PodShare {
     }
 }
 
-/// Container `cid`'s folder in the share: one plain name.
+/// Container `cid`'s folder in the share: one plain name, not [`VOLUMES`].
 fn container_folder(cid: &str) -> Result<PathBuf, ShareError> {
     let plain = !cid.is_empty()
+        && cid != VOLUMES
         && !cid.contains('\0')
         && matches!(
             Path::new(cid).components().collect::<Vec<_>>().as_slice(),
@@ -347,6 +438,25 @@ fn container_folder(cid: &str) -> Result<PathBuf, ShareError> {
         Ok(PathBuf::from(cid))
     } else {
         Err(ShareError::BadId(cid.to_string()))
+    }
+}
+
+/// Where bind `b` of container `cid` goes: [`VOLUMES`]`/<key>` (a hex key) for a bind with
+/// propagation, `<cid>/mounts/<n>` for any other.
+fn place_of(cid: &str, b: &ShareBind) -> Result<Place, ShareError> {
+    if !b.from_host {
+        return bind_place(cid, &b.relative).map(Place::Own);
+    }
+    let c: Vec<Component<'_>> = b.relative.components().collect();
+    match c.as_slice() {
+        [Component::Normal(v), Component::Normal(key)]
+            if *v == VOLUMES
+                && (1..=VOLUME_KEY_MAX).contains(&key.len())
+                && key.as_encoded_bytes().iter().all(u8::is_ascii_hexdigit) =>
+        {
+            Ok(Place::Volume(key.to_os_string()))
+        }
+        _ => Err(ShareError::BadBind(b.relative.clone())),
     }
 }
 
@@ -590,6 +700,58 @@ mod tests {
         assert!(mounts_under(p.state.path()).is_empty());
     }
 
+    /// A volume with propagation is the pod's, shared once at `.volumes/<key>` while any of its
+    /// containers uses it: it stays when the first container goes, and a mount the host makes
+    /// under the source later still reaches it.
+    #[test]
+    fn a_volume_with_propagation_is_shared_once_until_its_last_container_goes() {
+        let p = pod();
+        let tmp = tempfile::tempdir().unwrap();
+        let vol = tmp.path().join("vol");
+        fs::create_dir_all(vol.join("later")).unwrap();
+        // The source on a shared mount, as containerd wants it.
+        rustix::mount::mount_bind(&vol, &vol).unwrap();
+        rustix::mount::mount_change(&vol, rustix::mount::MountPropagationFlags::SHARED).unwrap();
+        let image = tmp.path().join("image");
+        fs::create_dir_all(&image).unwrap();
+        let key = "00ff";
+        let bind = ShareBind {
+            host_source: vol.clone(),
+            relative: volume_relative(key),
+            readonly: false,
+            from_host: true,
+        };
+        for cid in ["c1", "c2"] {
+            p.share
+                .share_container(cid, &[], &image, std::slice::from_ref(&bind))
+                .unwrap();
+        }
+        let shared = p.state.shared_dir();
+        let at = shared.join(VOLUMES).join(key);
+        assert_eq!(mounts_under(&at).len(), 1, "one share for both");
+        assert!(mounts_under(&shared.join("c1/mounts")).is_empty());
+        p.share.unshare_container("c1").unwrap();
+        assert!(!shared.join("c1").exists());
+        // c2 still uses it: in place, and the host's later mounts reach it.
+        let later = rustix::mount::fsopen("tmpfs", rustix::mount::FsOpenFlags::empty()).unwrap();
+        rustix::mount::fsconfig_create(later.as_fd()).unwrap();
+        let later = rustix::mount::fsmount(
+            later.as_fd(),
+            rustix::mount::FsMountFlags::empty(),
+            MountAttrFlags::empty(),
+        )
+        .unwrap();
+        let later_at = host_fs::open_root_dir(&vol.join("later")).unwrap();
+        host_fs::attach(later.as_fd(), later_at.as_fd()).unwrap();
+        fs::write(vol.join("later/f"), "later").unwrap();
+        assert_eq!(fs::read_to_string(at.join("later/f")).unwrap(), "later");
+        p.share.unshare_container("c2").unwrap();
+        assert!(mounts_under(&shared.join(VOLUMES)).is_empty());
+        assert!(!at.exists());
+        p.state.cleanup().unwrap();
+        rustix::mount::unmount(&vol, rustix::mount::UnmountFlags::DETACH).unwrap();
+    }
+
     #[test]
     fn a_failed_share_undoes_what_it_mounted() {
         let p = pod();
@@ -616,8 +778,28 @@ mod tests {
 
     #[test]
     fn ids_and_bind_places_that_could_leave_the_container_folder_are_refused() {
-        for bad in ["", ".", "..", "a/b", "/x", "a\0b"] {
+        for bad in ["", ".", "..", "a/b", "/x", "a\0b", VOLUMES] {
             assert!(container_folder(bad).is_err(), "{bad:?}");
+        }
+        let volume = |relative: &str| ShareBind {
+            host_source: "/srv/vol".into(),
+            relative: relative.into(),
+            readonly: false,
+            from_host: true,
+        };
+        assert!(matches!(
+            place_of("c1", &volume(".volumes/00ff")),
+            Ok(Place::Volume(_))
+        ));
+        for bad in [
+            ".volumes/xyz",
+            ".volumes/",
+            ".volumes/00/ff",
+            ".volumes/../c2",
+            "c1/mounts/0",
+            "other/00ff",
+        ] {
+            assert!(place_of("c1", &volume(bad)).is_err(), "{bad}");
         }
         assert!(bind_place("c1", Path::new("c1/mounts/0")).is_ok());
         for bad in [

@@ -24,11 +24,12 @@
 //!   [`PRIVILEGED_ANNOTATION`], which no other spec keeps: the agent then gives it the guest's
 //!   devices (its host devices were left out before, `resources::devices`);
 //! - a bind mount with propagation (`rslave`/`rshared`) gets [`VOLUME_KEY_OPTION`] with the key
-//!   of its host volume ([`volume_key`]): the agent binds every container's mount of one volume
-//!   from one shared mount in the guest, so what a privileged container mounts under a
-//!   Bidirectional volume reaches the pod's other containers of that volume (each container's
-//!   share is a directory of its own on the host, so the guest would otherwise see different
-//!   mounts).
+//!   of its host volume ([`volume_key`]), and its source is the pod's one share of that volume,
+//!   `.volumes/<key>` ([`storage::volume_relative`]), not a folder of the container's: the agent
+//!   binds every container's mount of one volume from one shared mount of it in the guest, so
+//!   what a privileged container mounts under a Bidirectional volume reaches the pod's other
+//!   containers of that volume, and stays for them when that container is removed (mounts on
+//!   the dentries of a removed container's folder go with it in the guest).
 
 use std::collections::HashMap;
 use std::os::unix::ffi::OsStrExt;
@@ -41,7 +42,7 @@ use crate::oci::Spec;
 use crate::config::Config;
 use crate::resources::cgroup::overhead::{self, Amounts};
 
-use crate::resources::storage::ShareBind;
+use crate::resources::storage::{self, ShareBind};
 pub use agent_protocol::{
     GUEST_SHARED_DIR, POD_PID_NAMESPACE, PRIVILEGED_ANNOTATION, SHARED_FS_TAG, VOLUME_KEY_OPTION,
 };
@@ -125,7 +126,8 @@ pub fn rewrite_for_guest(
 }
 
 /// Mount `n` of container `cid` for the guest: only the shim's volume keys in its options; a
-/// bind's source becomes the guest path of its share, which is returned.
+/// bind's source becomes the guest path of its share (the container's own, or the pod's of a
+/// volume with propagation), which is returned.
 fn rewrite_mount(m: &mut Mount, cid: &str, n: usize) -> Result<Option<ShareBind>, SpecError> {
     let options: Vec<String> = m.options().clone().unwrap_or_default();
     // Only the shim names volumes for the agent.
@@ -142,7 +144,7 @@ fn rewrite_mount(m: &mut Mount, cid: &str, n: usize) -> Result<Option<ShareBind>
     if !is_bind {
         return Ok(None);
     }
-    let Some(source) = m.source() else {
+    let Some(source) = m.source().clone() else {
         return Err(SpecError::Invalid(format!("bind mount {n} has no source")));
     };
     if !source.is_absolute() {
@@ -150,21 +152,26 @@ fn rewrite_mount(m: &mut Mount, cid: &str, n: usize) -> Result<Option<ShareBind>
             "bind mount source {source:?} is not absolute"
         )));
     }
-    let relative = PathBuf::from(cid).join("mounts").join(n.to_string());
-    let bind = ShareBind {
-        host_source: source.clone(),
-        relative: relative.clone(),
-        readonly: options.iter().any(|o| o == "ro"),
-        from_host: options
-            .iter()
-            .any(|o| matches!(o.as_str(), "rslave" | "slave" | "rshared" | "shared")),
-    };
-    if bind.from_host {
-        let key = volume_key(&bind.host_source, bind.readonly);
+    let readonly = options.iter().any(|o| o == "ro");
+    let from_host = options
+        .iter()
+        .any(|o| matches!(o.as_str(), "rslave" | "slave" | "rshared" | "shared"));
+    let relative = if from_host {
+        let key = volume_key(&source, readonly);
+        let relative = storage::volume_relative(&key);
         if let Some(o) = m.options_mut() {
             o.push(format!("{VOLUME_KEY_OPTION}{key}"));
         }
-    }
+        relative
+    } else {
+        PathBuf::from(cid).join("mounts").join(n.to_string())
+    };
+    let bind = ShareBind {
+        host_source: source,
+        relative: relative.clone(),
+        readonly,
+        from_host,
+    };
     m.set_source(Some(PathBuf::from(format!(
         "{GUEST_SHARED_DIR}/{}",
         relative.display()
@@ -669,14 +676,19 @@ mod tests {
                 assert_eq!(m, b);
                 continue;
             }
-            assert_eq!(
-                m["source"].as_str().unwrap(),
-                format!("/run/microvm-shared/c1/mounts/{n}")
-            );
             let mut options = b["options"].as_array().unwrap().clone();
             if options.contains(&json!("rshared")) {
                 let key = volume_key(Path::new(b["source"].as_str().unwrap()), false);
                 options.push(json!(format!("{VOLUME_KEY_OPTION}{key}")));
+                assert_eq!(
+                    m["source"].as_str().unwrap(),
+                    format!("/run/microvm-shared/.volumes/{key}")
+                );
+            } else {
+                assert_eq!(
+                    m["source"].as_str().unwrap(),
+                    format!("/run/microvm-shared/c1/mounts/{n}")
+                );
             }
             assert_eq!(m["options"], Value::Array(options), "{m}");
         }
@@ -764,6 +776,12 @@ mod tests {
         assert_eq!(a[0], volume_key(Path::new("/srv/vol"), false));
         assert_ne!(a[0], volume_key(Path::new("/srv/vol2"), false));
         assert!(binds[0].from_host && !binds[1].from_host);
+        // The volume's share is the pod's, one for the containers of a key.
+        let volume = format!("{GUEST_SHARED_DIR}/.volumes/{}", a[0]);
+        assert_eq!(untyped(&bidi)["mounts"][0]["source"], volume.as_str());
+        assert_eq!(untyped(&h2c)["mounts"][0]["source"], volume.as_str());
+        assert_eq!(binds[0].relative, storage::volume_relative(&a[0]));
+        assert_eq!(binds[1].relative, PathBuf::from("a/mounts/1"));
         assert_eq!(
             untyped(&bidi)["mounts"][1]["options"],
             json!(["rbind", "rprivate"])
@@ -888,7 +906,8 @@ mod properties {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
         /// After the rewrite no host path is left where the guest would use it: the root and
-        /// every bind source are under the container's share, each bind is returned with its
+        /// every bind source are under the container's share (a bind with propagation: the pod's
+        /// share of its volume, by its key), each bind is returned with its
         /// host source, volume keys are only the shim's own (one per propagating bind), hooks
         /// and the cgroup path are gone, namespace paths are only the guest's own names, and
         /// the privileged annotation is there exactly for a privileged spec.
@@ -922,14 +941,17 @@ mod properties {
                 }
                 let bind = &binds[bind_n];
                 bind_n += 1;
-                let share = format!("{GUEST_SHARED_DIR}/c1/mounts/{n}");
-                prop_assert_eq!(a["source"].as_str(), Some(share.as_str()));
                 prop_assert_eq!(Some(bind.host_source.as_path()), b["source"].as_str().map(std::path::Path::new));
+                let share = format!("{GUEST_SHARED_DIR}/{}", bind.relative.display());
+                prop_assert_eq!(a["source"].as_str(), Some(share.as_str()));
                 if bind.from_host {
-                    let key = format!("{VOLUME_KEY_OPTION}{}", volume_key(&bind.host_source, bind.readonly));
+                    let key = volume_key(&bind.host_source, bind.readonly);
+                    prop_assert_eq!(&bind.relative, &storage::volume_relative(&key));
+                    let key = format!("{VOLUME_KEY_OPTION}{key}");
                     let want = key.as_str();
                     prop_assert_eq!(keys, vec![&want]);
                 } else {
+                    prop_assert_eq!(&bind.relative, &std::path::PathBuf::from(format!("c1/mounts/{n}")));
                     prop_assert!(keys.is_empty(), "a forged key is dropped: {a}");
                 }
             }
