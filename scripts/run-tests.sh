@@ -30,7 +30,8 @@ stale_before=$( (ls -A /run/microvm 2>/dev/null | sed 's|^|state directory /run/
 results=$(mktemp)
 embedded=$(mktemp)
 side_log=$(mktemp)
-# Created when the host's own tests are done: the nested lane may take the second core then.
+# Created when the host's own tests are done (before clippy): the nested lane may take the second
+# core then.
 host_done=$results.host-done
 lane_pid=
 side_pid=
@@ -257,10 +258,13 @@ for version in trixie:$pod_suites sid:$pod_suites,cri_microvm_sandbox_api; do
 done
 
 
+# The host's own tests are done: the nested lane may take the second core for what it still has
+# queued (a second L1, at nice -5), and clippy gets what the L1s leave.
+if [ -n "$lane_pid" ]; then touch "$host_done"; fi
 echo "== clippy (at $(elapsed))"
-# After the tests, in their target folder (cargo's lock on it would have held them back), on the
-# core the lane leaves; counts as one test.
-if cargo clippy --release --workspace --all-targets -- -D warnings; then
+# After the tests, in their target folder (cargo's lock on it would have held them back), at the
+# lowest priority beside the lane; counts as one test.
+if nice -n 19 cargo clippy --release --workspace --all-targets -- -D warnings; then
   clippy=ok
 else
   clippy=FAILED
@@ -281,7 +285,6 @@ fi
 
 if [ -n "$lane_pid" ]; then
   echo "== waiting for the nested lane (at $(elapsed))"
-  touch "$host_done"
   wait "$lane_pid" || status_all=1
   lane_pid=
   sleep 1

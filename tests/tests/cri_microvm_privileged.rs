@@ -26,7 +26,7 @@
 )]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -65,7 +65,7 @@ async fn start_ctrd(config: &Path) -> (PrivateContainerd, CriClient) {
 
 /// The shim config of the test backend; with `devices`, asking that kubelet socket and reading
 /// CDI specs from that folder.
-fn config(dir: &Path, devices: Option<(&Path, &Path)>) -> std::path::PathBuf {
+fn config(dir: &Path, devices: Option<(&Path, &Path)>) -> PathBuf {
     let config = write_config(dir, None);
     if let Some((socket, cdi)) = devices {
         let mut text = std::fs::read_to_string(&config).unwrap();
@@ -490,6 +490,25 @@ fn host_mount(args: &[&str]) {
     );
 }
 
+/// Unmounts a test's host mount and every mount under it when dropped: a test that fails
+/// leaves none behind on the host.
+struct UnmountOnDrop(PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        if host_mounts_under(&self.0).is_empty() {
+            return;
+        }
+        let _ = Command::new("umount").arg("-R").arg(&self.0).status();
+        if !host_mounts_under(&self.0).is_empty() {
+            let _ = Command::new("umount")
+                .args(["-R", "-l"])
+                .arg(&self.0)
+                .status();
+        }
+    }
+}
+
 /// The host's mount points under `dir`.
 fn host_mounts_under(dir: &Path) -> BTreeSet<String> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
@@ -546,6 +565,8 @@ async fn a_privileged_containers_bidirectional_mounts_reach_the_pods_other_conta
     std::fs::write(vol.join("on-the-host"), "host file\n").unwrap();
     let vol_s = vol.display().to_string();
     host_mount(&["--bind", &vol_s, &vol_s]);
+    // Whatever happens below, the test's host mounts go with it (before its folder does).
+    let _unmount = UnmountOnDrop(vol.clone());
     host_mount(&["--make-rshared", &vol_s]);
     let mounts_before = host_mounts_under(&vol);
     let pod = run_privileged_pod(&ctrd, &cri, "propagation").await;
