@@ -490,6 +490,14 @@ fn host_mount(args: &[&str]) {
     );
 }
 
+/// Mounts a small tmpfs named `source` on `dir` (on the host) with one file, `hello`, saying
+/// `text`.
+fn host_tmpfs_saying(dir: &Path, source: &str, text: &str) {
+    let dir_s = dir.display().to_string();
+    host_mount(&["-t", "tmpfs", "-o", "size=1m", source, &dir_s]);
+    std::fs::write(dir.join("hello"), text).unwrap();
+}
+
 /// Unmounts a test's host mount and every mount under it when dropped: a test that fails
 /// leaves none behind on the host.
 struct UnmountOnDrop(PathBuf);
@@ -633,16 +641,7 @@ async fn a_privileged_containers_bidirectional_mounts_reach_the_pods_other_conta
 
     // A mount the host makes under the volume now reaches both.
     let later = vol.join("later");
-    let later_s = later.display().to_string();
-    host_mount(&[
-        "-t",
-        "tmpfs",
-        "-o",
-        "size=1m",
-        "microvm-test-later",
-        &later_s,
-    ]);
-    std::fs::write(later.join("hello"), "from a later host mount\n").unwrap();
+    host_tmpfs_saying(&later, "microvm-test-later", "from a later host mount\n");
     for id in [&plugin, &consumer] {
         wait_exec(
             &cri,
@@ -683,16 +682,11 @@ async fn a_privileged_containers_bidirectional_mounts_reach_the_pods_other_conta
     // And a mount the host makes under the volume after the plugin went still reaches the
     // consumer.
     let after = vol.join("after-the-plugin");
-    let after_s = after.display().to_string();
-    host_mount(&[
-        "-t",
-        "tmpfs",
-        "-o",
-        "size=1m",
+    host_tmpfs_saying(
+        &after,
         "microvm-test-after",
-        &after_s,
-    ]);
-    std::fs::write(after.join("hello"), "from a host mount after the plugin\n").unwrap();
+        "from a host mount after the plugin\n",
+    );
     wait_exec(
         &cri,
         &consumer,
@@ -703,12 +697,11 @@ async fn a_privileged_containers_bidirectional_mounts_reach_the_pods_other_conta
     .await;
 
     remove_pod(&ctrd, &cri, &pod).await;
-    let _ = Command::new("umount").arg(&later_s).status();
-    let _ = Command::new("umount").arg(&after_s).status();
+    let _ = Command::new("umount").arg(&later).status();
+    let _ = Command::new("umount").arg(&after).status();
     assert_eq!(
         host_mounts_under(&vol),
         mounts_before,
         "the pod left mounts under its volume"
     );
-    let _ = Command::new("umount").args(["-R", &vol_s]).status();
 }
