@@ -17,6 +17,7 @@
 #   FUZZ_TARGET_DIR where the targets are built (default fuzz/target)
 #   FUZZ_CODEGEN_UNITS  codegen units of the build (default 1: slower to build, faster to run)
 #   FUZZ_BUILD      1 (default) builds the targets first; 0 runs those already in FUZZ_TARGET_DIR
+#   FUZZ_JOBS       targets run side by side (default 1; each takes one core)
 #   --write-seeds   writes each target's seed corpus (fuzz/src/seeds.rs) into fuzz/seeds/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,15 +81,15 @@ if [ "$FUZZ_CORPUS" = none ]; then
   FUZZ_CORPUS=$tmp/corpus
 fi
 
-crashed=0
-printf '%-16s %10s %8s %8s %8s %7s  %s\n' target executions exec/s cov features corpus result
-for t in "${targets[@]}"; do
+# run_target T: runs target T, writes its table line (and, if it crashed, what it said) to
+# $tmp/T.out and its result to $tmp/T.crashed (1 or 0).
+run_target() {
+  local t=$1 work seeds artifacts log status=0 execs rate last cov ft corp result artifact kind
   work=$FUZZ_CORPUS/$t
   seeds=$root/fuzz/seeds/$t
   artifacts=$root/fuzz/artifacts/$t
   mkdir -p "$work" "$seeds" "$artifacts"
   log=$tmp/$t.log
-  status=0
   "$bins/$t" "$work" "$seeds" \
     -max_total_time="$FUZZ_SECONDS" -timeout="$FUZZ_TIMEOUT" -rss_limit_mb="$FUZZ_RSS_MB" \
     -artifact_prefix="$artifacts/" -print_final_stats=1 >"$log" 2>&1 || status=$?
@@ -101,17 +102,38 @@ for t in "${targets[@]}"; do
   if [ $status -eq 0 ]; then
     result="no crash"
   else
-    crashed=$((crashed + 1))
     artifact=$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log" | tail -n 1)
     kind=$(grep -oE 'deadly signal|timeout|out-of-memory|leak' "$log" | head -n 1 || true)
     result="CRASH (${kind:-exit $status}): ${artifact:-see below}"
   fi
-  printf '%-16s %10s %8s %8s %8s %7s  %s\n' "$t" "${execs:-?}" "${rate:-?}" "${cov:-?}" \
-    "${ft:-?}" "${corp:-?}" "$result"
-  if [ $status -ne 0 ]; then
-    # What the target said (the panic and its place), for the log.
-    grep -E -A12 "panicked at|ERROR: libFuzzer" "$log" | head -n 40 | sed 's/^/    /'
+  {
+    printf '%-16s %10s %8s %8s %8s %7s  %s\n' "$t" "${execs:-?}" "${rate:-?}" "${cov:-?}" \
+      "${ft:-?}" "${corp:-?}" "$result"
+    if [ $status -ne 0 ]; then
+      # What the target said (the panic and its place), for the log.
+      grep -E -A12 "panicked at|ERROR: libFuzzer" "$log" | head -n 40 | sed 's/^/    /'
+    fi
+  } >"$tmp/$t.out"
+  echo $(( status != 0 )) >"$tmp/$t.crashed"
+}
+
+# FUZZ_JOBS targets at a time (each is one process on one core), printed in the list's order.
+jobs_max=${FUZZ_JOBS:-1}
+running=0
+for t in "${targets[@]}"; do
+  if [ $running -ge "$jobs_max" ]; then
+    wait -n || true
+    running=$((running - 1))
   fi
+  run_target "$t" &
+  running=$((running + 1))
+done
+wait
+crashed=0
+printf '%-16s %10s %8s %8s %8s %7s  %s\n' target executions exec/s cov features corpus result
+for t in "${targets[@]}"; do
+  cat "$tmp/$t.out" 2>/dev/null || printf '%-16s %s\n' "$t" "CRASH (its run ended without a result)"
+  [ "$(cat "$tmp/$t.crashed" 2>/dev/null || echo 1)" = 0 ] || crashed=$((crashed + 1))
 done
 # The closing line (scripts/run-tests.sh counts it): targets run, and those that crashed, hung or
 # ran out of memory.

@@ -9,7 +9,8 @@
 //! the bytes are a protobuf `PodSandboxConfig` in CreateSandbox's options
 //! (`shim::sandbox::pod_config::PodConfig::from_request`), whose pod spec then takes the same
 //! way. Checked on a rewrite: the rootfs is the container's in the share, no hooks are left,
-//! every bind lands under the container's own mounts folder, and the JSON the agent gets types
+//! every bind lands under the container's own mounts folder (or, with propagation, at the pod's
+//! place for that volume, named by the hash of its source), and the JSON the agent gets types
 //! again to the same spec.
 #![no_main]
 
@@ -21,6 +22,7 @@ use protobuf::well_known_types::any::Any;
 use shim::config::Config;
 use shim::oci::Spec;
 use shim::resources::devices::oci;
+use shim::resources::storage;
 use shim::sandbox::pod_config::{PodConfig, POD_SANDBOX_CONFIG_TYPE};
 use shim::sandbox::spec;
 use shim::task::bundle;
@@ -61,11 +63,18 @@ fn walk_spec(config: &Config, mut value: Spec, cid: &str, sandbox_pid: u32) {
         );
         let own = std::path::Path::new(cid).join("mounts");
         for b in binds {
-            assert!(
-                b.relative.starts_with(&own),
-                "{:?} leaves {own:?}",
-                b.relative
-            );
+            if b.from_host {
+                // A volume with propagation: the pod's one place for it, named by the shim's
+                // hash of its source, never by anything else in the spec.
+                let key = spec::volume_key(&b.host_source, b.readonly);
+                assert_eq!(b.relative, storage::volume_relative(&key));
+            } else {
+                assert!(
+                    b.relative.starts_with(&own),
+                    "{:?} leaves {own:?}",
+                    b.relative
+                );
+            }
             assert!(b.host_source.is_absolute());
         }
     }
