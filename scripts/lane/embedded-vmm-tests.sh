@@ -85,10 +85,12 @@ run_bounded() {
   wait "$pid"
 }
 
-# run_one NAME=EXE[@DIR]: one test binary, bounded; sets failed=1 when it did not pass.
+# run_one NAME=EXE[@DIR] [TEST...]: one test binary, bounded, without the TESTs named (they passed
+# in an L1 that got stuck: run-lane.sh); sets failed=1 when it did not pass.
 failed=0
 run_one() {
-  local arg=$1 name exe containerd limit args env bound status
+  local arg=$1 name exe containerd limit args env bound status t
+  shift
   name=${arg%%=*}
   exe=${arg#*=}
   containerd=()
@@ -140,6 +142,12 @@ run_one() {
   esac
   env+=("${containerd[@]}")
   echo "== $name on the embedded vmm${containerd[*]:+ (${containerd[*]})}"
+  if [ $# -gt 0 ]; then
+    # (--exact: each --skip, these and the ones above, names one whole test.)
+    args+=(--exact)
+    for t in "$@"; do args+=(--skip "$t"); done
+    echo "embedded-vmm-tests: $name: not run again, passed in an L1 that got stuck: $*"
+  fi
   run_bounded "$limit" env "${env[@]}" "$exe" "${args[@]}"
   status=$?
   # A binary that reached its bound is not run again: its unreported tests count as failed (a
@@ -148,7 +156,8 @@ run_one() {
   [ $status -eq 0 ] || failed=1
 }
 
-# take_next: the next binary's argument from the queue, moved to DIR/taken; fails when it is empty.
+# take_next: the next entry of the queue, moved to DIR/taken: its binary's argument, then the tests
+# not to run again (one a line); fails when the queue is empty.
 take_next() {
   local f
   for f in "$queue"/todo/*; do
@@ -161,7 +170,10 @@ take_next() {
 }
 
 if [ -n "$queue" ]; then
-  while arg=$(take_next); do run_one "$arg"; done
+  while entry=$(take_next); do
+    mapfile -t entry_lines <<<"$entry"
+    run_one "${entry_lines[@]}"
+  done
 else
   for arg in "$@"; do run_one "$arg"; done
 fi

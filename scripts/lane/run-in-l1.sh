@@ -154,11 +154,14 @@ dump_l1() {
 }
 
 # The watch. Stage 2 writes a heartbeat into the lane share every 5 s from a shell loop in L1's
-# user space (l1-stage2.sh). When it has not moved for 90 s (180 s before the first one: L1 boots
-# in 10-40 s), L1 runs none of its own processes any more, so none of its timeouts or watchdogs
-# can fire either, and this watch ends it from the host:
+# user space (l1-stage2.sh). When it has not moved for 40 s while QEMU used under 5 % of a core,
+# or for 90 s however busy QEMU was (180 s before the first heartbeat: L1 boots in 10-40 s), L1
+# runs none of its own processes any more, so none of its timeouts or watchdogs can fire either,
+# and this watch ends it from the host:
 # - frozen: QEMU used under 5 % of a core meanwhile (an idle but live L1 uses ~0.4 % for its
-#   timers; a frozen one none): L1's vCPU sits halted and nothing wakes it, not even its timer;
+#   timers and beats every 5 s; a frozen one uses none): L1's vCPU sits halted and nothing wakes
+#   it, not even its timer. Eight missed beats at no CPU are enough to tell (each second of the
+#   wait costs CI a second of the lane);
 # - stalled: QEMU kept its core busy, yet L1 never ran its processes: its vCPU runs a nested
 #   guest (L2) that L1 never gets the CPU back from.
 # Either way it prints L1's state (dump_l1) and sends an NMI (a lost wakeup resumes on it, and
@@ -179,10 +182,16 @@ watch_l1() {
     # Stage 2 has finished (status written): L1 is powering off, nothing to watch.
     [ -s "$lane/status" ] && return 0
     secs=$(( SECONDS - since ))
-    [ "$secs" -ge "$limit" ] || continue
+    [ "$secs" -ge 40 ] || continue
     used=$(( now - ticks_since ))
     # Clock ticks are 1/100 s: under 5 % of a core is 5 ticks a second.
-    if [ "$used" -lt $(( secs * 5 )) ]; then kind=frozen; else kind=stalled; fi
+    if [ "$used" -lt $(( secs * 5 )) ]; then
+      kind=frozen
+    elif [ "$secs" -ge "$limit" ]; then
+      kind=stalled
+    else
+      continue
+    fi
     tries=$(( tries + 1 ))
     log "L1 $kind: no heartbeat for ${secs} s, QEMU used $(( used / secs ))% of a core meanwhile; L1's vCPU and local APIC:"
     dump_l1 "$kind"

@@ -23,7 +23,9 @@
 # When an L1 does not get to the end (it got stuck: frozen or stalled, its heartbeat stopped
 # and run-in-l1.sh killed it, exit 75; or it crashed or reached its bound), what is still queued
 # runs in a fresh L1, said with a RETRY line. The binary it was running when it got stuck goes
-# back into the queue too, once: a stuck L1 is L1's failure, not the binary's. A binary that was
+# back into the queue too (up to twice for a frozen L1, once for a stalled one): a stuck L1 is L1's
+# failure, not the binary's; its tests that had passed there are not run again (a `lane: NAME
+# kept N passed tests ...` line counts them). A binary that was
 # running when L1 crashed or timed out is not run again, nor is one whose tests failed or that
 # reached its own bound in a live L1: they count as they ran (their unreported tests as failed,
 # in run-tests.sh). At most MICROVM_LANE_RETRIES (default 3) fresh L1s after the first, for each
@@ -50,7 +52,7 @@ fi
 # The queue, shared read-write with each L1 at the same path (run-in-l1.sh --writable).
 queue=$(mktemp -d /tmp/microvm-lane-queue.XXXXXX)
 trap 'rm -rf "$queue" $own_events' EXIT
-mkdir "$queue/todo" "$queue/taken" "$queue/stuck-once"
+mkdir "$queue/todo" "$queue/taken" "$queue/stuck"
 : >"$queue/results"
 i=0
 for arg in "$@"; do
@@ -61,6 +63,15 @@ done | sort -rn -s -k1,1 | while read -r _ arg; do
   printf '%s\n' "$arg" >"$queue/todo/$(printf '%02d' "$i")-${arg%%=*}"
 done
 queued() { [ -n "$(ls -A "$queue/todo")" ]; }
+
+# passed_in FILE NAME: the tests of binary NAME that FILE shows passed (`test T ... ok`, in the part
+# after NAME's `== NAME on the embedded vmm` header), one a line.
+passed_in() {
+  awk -v n="$2" '
+    /^== [a-z0-9_]+ on the embedded vmm/ { mine = ($2 == n); next }
+    mine && /^test [^ ]+ \.\.\. ok$/ { print $2 }
+  ' "$1"
+}
 
 # outcomes FILE: a line `NAME ok|FAILED|begun` for each binary FILE shows began
 # (embedded-vmm-tests.sh's `== NAME on the embedded vmm` header), with its `test result:` if it
@@ -77,7 +88,7 @@ outcomes() {
 # run_l1s K: L1s on the queue until it is empty: the first, and fresh ones for what a stuck or
 # crashed one left (L1 #K; the second's lines prefixed `L1 #2: `).
 run_l1s() {
-  local k=$1 chunk=$queue/chunk.$1 retries_left=${MICROVM_LANE_RETRIES:-3} timeout f name state status cut l1
+  local k=$1 chunk=$queue/chunk.$1 retries_left=${MICROVM_LANE_RETRIES:-3} timeout f name state status cut l1 kept allowed stuck
   local prefix=
   [ "$k" -eq 1 ] || prefix="L1 #$k: "
   while queued; do
@@ -94,13 +105,27 @@ run_l1s() {
     wait "$l1"
     status=$?
 
-    # What each binary it began came to; one it was in when it got stuck goes back, once.
+    # What each binary it began came to; one it was in when it got stuck goes back: twice when L1
+    # froze (a halted vCPU that an interrupt does not wake is the emulator's fault, never the
+    # binary's), once when it stalled (a busy L1 that runs nothing could be ours).
     cut=
+    allowed=1
+    ! grep -q '^run-in-l1: L1 frozen and was killed' "$chunk" || allowed=2
     while read -r name state; do
       echo "$name $state" >>"$queue/results"
-      if [ "$state" = begun ] && [ "$status" -eq 75 ] && [ ! -e "$queue/stuck-once/$name" ]; then
-        touch "$queue/stuck-once/$name"
-        mv "$queue"/taken/[0-9][0-9]-"$name" "$queue/todo/" && cut=$name
+      stuck=$(cat "$queue/stuck/$name" 2>/dev/null || echo 0)
+      if [ "$state" = begun ] && [ "$status" -eq 75 ] && [ "$stuck" -lt "$allowed" ]; then
+        echo $(( stuck + 1 )) >"$queue/stuck/$name"
+        # Its tests that passed before L1 got stuck are not run again: their names go into its
+        # queue entry after its argument (embedded-vmm-tests.sh skips them), and they are
+        # counted here, on a line run-tests.sh adds to the retry's own result line.
+        mapfile -t kept < <(passed_in "$chunk" "$name")
+        f=$(echo "$queue"/taken/[0-9][0-9]-"$name")
+        if [ ${#kept[@]} -gt 0 ] && [ -f "$f" ]; then
+          { cat "$f"; printf '%s\n' "${kept[@]}"; } >"$f.new" && mv "$f.new" "$f"
+          echo "lane: $name kept ${#kept[@]} passed tests from L1 #$k before it got stuck: ${kept[*]}"
+        fi
+        mv "$f" "$queue/todo/" && cut=$name
       fi
     done < <(outcomes "$chunk")
     # A live L1 that got to the end (status 0 or 1) found the queue empty.
