@@ -41,7 +41,7 @@ use k8s_cri::v1::Mount;
 use microvm_tests::containerd::PrivateContainerd;
 use microvm_tests::cri::{container_config, CriClient, Pod};
 use microvm_tests::host_cgroup::HostCgroup;
-use microvm_tests::lifecycle::{pod_leftovers, pod_processes, wait_pod_gone};
+use microvm_tests::lifecycle::{pod_leftovers, pod_processes, wait_pod_gone, MICROVM_STATE_ROOT};
 use microvm_tests::microvm_pods::*;
 
 /// The tests of this file share /run/microvm; they run one at a time.
@@ -135,8 +135,44 @@ impl Sample {
     }
 }
 
-/// The pod's host-side figures now, and the guest's MemAvailable read in `watch`.
-async fn sample(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod, watch: &str) -> Sample {
+/// Fails the run at cycle `cycle` with `what` went wrong, and all there is to tell why: the
+/// samples so far (also as CSV, when asked for), the end of the pod's guest console (a guest
+/// panic or OOM shows there) and of containerd's log (the shim's lines, e.g. "VM ended").
+fn fail_at(ctrd: &PrivateContainerd, pod: &Pod, cycle: usize, what: &str, samples: &[Sample]) -> ! {
+    write_csv(
+        "container-cycles",
+        Sample::HEADER,
+        &samples.iter().map(Sample::row).collect::<Vec<_>>(),
+    );
+    let console = std::fs::read_to_string(
+        Path::new(MICROVM_STATE_ROOT)
+            .join(&pod.id)
+            .join("console.log"),
+    )
+    .map(|text| {
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    })
+    .unwrap_or_else(|e| format!("(no console log: {e})"));
+    let so_far = if samples.is_empty() {
+        "no samples yet".to_string()
+    } else {
+        summary(samples)
+    };
+    panic!(
+        "cycle {cycle}: {what}\nso far: {so_far}\nthe guest's console, its end:\n{console}\ncontainerd log:\n{}",
+        ctrd.log_tail()
+    )
+}
+
+/// The pod's host-side figures now, and the guest's MemAvailable read in `watch`; an error when
+/// that exec fails.
+async fn sample(
+    ctrd: &PrivateContainerd,
+    cri: &CriClient,
+    pod: &Pod,
+    watch: &str,
+) -> Result<Sample, String> {
     let processes = pod_processes(ctrd, &pod.id);
     let shim = processes.first().expect("the pod's shim runs");
     let (mut vm_rss, mut vm_fds) = (0, 0);
@@ -148,7 +184,7 @@ async fn sample(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod, watch: &st
     let meminfo = cri
         .exec_sync(watch, &["cat", "/proc/meminfo"], 30)
         .await
-        .unwrap();
+        .map_err(|e| format!("reading the guest's /proc/meminfo: {e}"))?;
     let guest_available = meminfo
         .stdout
         .lines()
@@ -162,7 +198,7 @@ async fn sample(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod, watch: &st
         })
         .unwrap_or_else(|| panic!("no MemAvailable in the guest: {meminfo:?}"))
         * 1024;
-    Sample {
+    Ok(Sample {
         cgroup_usage: cgroup.as_ref().map_or(0, |c| c.memory_usage as i64),
         cgroup_limit: cgroup
             .as_ref()
@@ -174,7 +210,7 @@ async fn sample(ctrd: &PrivateContainerd, cri: &CriClient, pod: &Pod, watch: &st
         vm_fds,
         guest_available,
         ..Sample::default()
-    }
+    })
 }
 
 /// A sample after [`QUIET`] without cycles: what the pod holds once the guest has let go of
@@ -185,9 +221,12 @@ async fn quiet_sample(
     pod: &Pod,
     watch: &str,
     cycle: usize,
+    samples: &[Sample],
 ) -> Sample {
     tokio::time::sleep(QUIET).await;
-    let mut s = sample(ctrd, cri, pod, watch).await;
+    let mut s = sample(ctrd, cri, pod, watch)
+        .await
+        .unwrap_or_else(|e| fail_at(ctrd, pod, cycle, &e, samples));
     s.cycle = cycle;
     s
 }
@@ -398,15 +437,17 @@ async fn a_pod_lives_through_container_cycles_without_growth() {
         let t = Instant::now();
         container_cycle(&ctrd, &cri, &pod, &volume, i).await;
         let cycle_ms = t.elapsed().as_millis();
-        let mut s = sample(&ctrd, &cri, &pod, &watch).await;
+        let mut s = sample(&ctrd, &cri, &pod, &watch)
+            .await
+            .unwrap_or_else(|e| fail_at(&ctrd, &pod, i, &e, &samples));
         s.cycle = i;
         s.cycle_ms = cycle_ms;
         samples.push(s);
         if i == warmup {
-            base = Some(quiet_sample(&ctrd, &cri, &pod, &watch, i).await);
+            base = Some(quiet_sample(&ctrd, &cri, &pod, &watch, i, &samples).await);
         }
     }
-    let last = quiet_sample(&ctrd, &cri, &pod, &watch, n - 1).await;
+    let last = quiet_sample(&ctrd, &cri, &pod, &watch, n - 1, &samples).await;
     write_csv(
         "container-cycles",
         Sample::HEADER,
