@@ -28,7 +28,7 @@
 # kept N passed tests ...` line counts them). A binary that was
 # running when L1 crashed or timed out is not run again, nor is one whose tests failed or that
 # reached its own bound in a live L1: they count as they ran (their unreported tests as failed,
-# in run-tests.sh). At most MICROVM_LANE_RETRIES (default 3) fresh L1s after the first, for each
+# in run-tests.sh). At most MICROVM_LANE_RETRIES (default 5) fresh L1s after the first, for each
 # of the two. Output: each binary's, then the line `lane: N L1 boots, M freezes, S stalls,
 # K retries`. --events FILE appends run-in-l1's events (boot, frozen, stalled, ...: see
 # run-in-l1.sh) and `retry` lines there.
@@ -88,7 +88,7 @@ outcomes() {
 # run_l1s K: L1s on the queue until it is empty: the first, and fresh ones for what a stuck or
 # crashed one left (L1 #K; the second's lines prefixed `L1 #2: `).
 run_l1s() {
-  local k=$1 chunk=$queue/chunk.$1 retries_left=${MICROVM_LANE_RETRIES:-3} timeout f name state status cut l1 kept allowed stuck
+  local k=$1 chunk=$queue/chunk.$1 retries_left=${MICROVM_LANE_RETRIES:-5} timeout f name state status cut l1 kept allowed stuck
   local prefix=
   [ "$k" -eq 1 ] || prefix="L1 #$k: "
   while queued; do
