@@ -111,7 +111,7 @@ run_target() {
       "${ft:-?}" "${corp:-?}" "$result"
     if [ $status -ne 0 ]; then
       # What the target said (the panic and its place), for the log.
-      grep -E -A12 "panicked at|ERROR: libFuzzer" "$log" | head -n 40 | sed 's/^/    /'
+      grep -E -A12 "panicked at|ERROR: libFuzzer" "$log" | head -n 40 | sed 's/^/    /' || true
     fi
   } >"$tmp/$t.out"
   echo $(( status != 0 )) >"$tmp/$t.crashed"
