@@ -135,18 +135,13 @@ impl Sample {
     }
 }
 
-/// Fails the run at cycle `cycle` with `what` went wrong, and all there is to tell why: the
-/// samples so far (also as CSV, when asked for), the end of the pod's guest console (a guest
-/// panic or OOM shows there) and of containerd's log (the shim's lines, e.g. "VM ended").
-fn fail_at(ctrd: &PrivateContainerd, pod: &Pod, cycle: usize, what: &str, samples: &[Sample]) -> ! {
-    write_csv(
-        "container-cycles",
-        Sample::HEADER,
-        &samples.iter().map(Sample::row).collect::<Vec<_>>(),
-    );
+/// What tells why a step of `pod` failed: the end of its guest console (a guest panic or OOM
+/// shows there) and of containerd's log (the shim's lines, e.g. "VM ended").
+fn why(ctrd: &PrivateContainerd, pod: &Pod) -> String {
     let console = std::fs::read_to_string(
         Path::new(MICROVM_STATE_ROOT)
             .join(&pod.id)
+            .join("vm")
             .join("console.log"),
     )
     .map(|text| {
@@ -154,14 +149,28 @@ fn fail_at(ctrd: &PrivateContainerd, pod: &Pod, cycle: usize, what: &str, sample
         lines[lines.len().saturating_sub(40)..].join("\n")
     })
     .unwrap_or_else(|e| format!("(no console log: {e})"));
+    format!(
+        "the guest's console, its end:\n{console}\ncontainerd log:\n{}",
+        ctrd.log_tail()
+    )
+}
+
+/// Fails the run at cycle `cycle` with `what` went wrong, the samples so far (also as CSV, when
+/// asked for) and [`why`].
+fn fail_at(ctrd: &PrivateContainerd, pod: &Pod, cycle: usize, what: &str, samples: &[Sample]) -> ! {
+    write_csv(
+        "container-cycles",
+        Sample::HEADER,
+        &samples.iter().map(Sample::row).collect::<Vec<_>>(),
+    );
     let so_far = if samples.is_empty() {
         "no samples yet".to_string()
     } else {
         summary(samples)
     };
     panic!(
-        "cycle {cycle}: {what}\nso far: {so_far}\nthe guest's console, its end:\n{console}\ncontainerd log:\n{}",
-        ctrd.log_tail()
+        "cycle {cycle}: {what}\nso far: {so_far}\n{}",
+        why(ctrd, pod)
     )
 }
 
@@ -328,18 +337,13 @@ async fn started(
         .as_ref()
         .map(|m| m.name.clone())
         .unwrap_or_default();
-    let id = cri.create_container(pod, config).await.unwrap_or_else(|e| {
-        panic!(
-            "CreateContainer {name}: {e}\ncontainerd log:\n{}",
-            ctrd.log_tail()
-        )
-    });
-    cri.start_container(&id).await.unwrap_or_else(|e| {
-        panic!(
-            "StartContainer {name}: {e}\ncontainerd log:\n{}",
-            ctrd.log_tail()
-        )
-    });
+    let id = cri
+        .create_container(pod, config)
+        .await
+        .unwrap_or_else(|e| panic!("CreateContainer {name}: {e}\n{}", why(ctrd, pod)));
+    cri.start_container(&id)
+        .await
+        .unwrap_or_else(|e| panic!("StartContainer {name}: {e}\n{}", why(ctrd, pod)));
     id
 }
 
@@ -372,7 +376,7 @@ async fn container_cycle(
     let out = cri
         .exec_sync(&id, &["cat", "/vol/data"], 60)
         .await
-        .unwrap_or_else(|e| panic!("cycle {i}: exec: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        .unwrap_or_else(|e| panic!("cycle {i}: exec: {e}\n{}", why(ctrd, pod)));
     assert_eq!(
         (out.exit_code, out.stdout.trim()),
         (0, "soak"),
@@ -383,7 +387,7 @@ async fn container_cycle(
     let out = cri
         .exec_sync(&id, &["touch", "/tmp/done"], 60)
         .await
-        .unwrap_or_else(|e| panic!("cycle {i}: exec: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        .unwrap_or_else(|e| panic!("cycle {i}: exec: {e}\n{}", why(ctrd, pod)));
     assert!(
         out.exit_code == 0 || out.exit_code == 137,
         "cycle {i}: {out:?}"
@@ -391,14 +395,11 @@ async fn container_cycle(
     let status = cri
         .wait_container_exited(&id, STEP_TIMEOUT)
         .await
-        .unwrap_or_else(|e| panic!("cycle {i}: {e}\ncontainerd log:\n{}", ctrd.log_tail()));
+        .unwrap_or_else(|e| panic!("cycle {i}: {e}\n{}", why(ctrd, pod)));
     assert_eq!(status.exit_code, 0, "cycle {i}: {status:?}");
-    cri.remove_container(&id).await.unwrap_or_else(|e| {
-        panic!(
-            "cycle {i}: remove: {e}\ncontainerd log:\n{}",
-            ctrd.log_tail()
-        )
-    });
+    cri.remove_container(&id)
+        .await
+        .unwrap_or_else(|e| panic!("cycle {i}: remove: {e}\n{}", why(ctrd, pod)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
